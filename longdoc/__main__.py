@@ -1,0 +1,3 @@
+from longdoc.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,188 @@
+"""Public context-parallel API: `ContextParallel` (group + layout) and `attention(...)`."""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from longdoc.parallel import comm, kernels, layout as layouts
+from longdoc.parallel.allgather import allgather_attention
+from longdoc.parallel.ring import ring_attention
+
+STRATEGIES = ("ring", "allgather")
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class ContextParallel:
+    """A context-parallel group and the layout of the sequence over its ranks.
+
+    Args:
+        group: a ProcessGroup, a 1-D DeviceMesh, or None for the default group (or a single process
+            when torch.distributed is not initialized).
+        layout: "zigzag" (balanced causal work, default) or "contiguous".
+        timeout: seconds (or timedelta) any CP communication may wait before raising.
+        kernel: force a block kernel by name (see longdoc.parallel.kernels.KERNELS); None selects.
+        check_agreement: before exchanging data, check cheaply that all ranks pass the same
+            shapes/dtypes (gloo would otherwise deliver garbage on a mismatch).
+    """
+
+    def __init__(self, group=None, layout: str = "zigzag", *, timeout: float | datetime.timedelta | None = None,
+                 kernel: str | None = None, check_agreement: bool = True):
+        self.layout = layouts.check_layout(layout)
+        if kernel is not None:
+            kernels.select(torch.device("cpu"), torch.float32, kernel)  # validates the name
+        self.kernel = kernel
+        self.check_agreement = check_agreement
+        if isinstance(timeout, (int, float)):
+            timeout = datetime.timedelta(seconds=timeout)
+        self.timeout = timeout
+        if group is not None and hasattr(group, "get_group"):  # DeviceMesh
+            if group.ndim != 1:
+                raise ValueError(f"pass the 1-D 'cp' sub-mesh (mesh['cp']), got a {group.ndim}-D DeviceMesh")
+            group = group.get_group()
+        if group is None and dist.is_available() and dist.is_initialized():
+            group = dist.group.WORLD
+        self.group = group
+        if group is None:
+            self.size, self.rank = 1, 0
+        else:
+            self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self._ring = comm.Ring(group, self.timeout) if group is not None and self.size > 1 else None
+
+    def __repr__(self) -> str:
+        return f"ContextParallel(size={self.size}, rank={self.rank}, layout={self.layout!r})"
+
+    @property
+    def multiple(self) -> int:
+        """Full sequence lengths must be a multiple of this (cp.shard_batch pads internally)."""
+        return layouts.num_chunks(self.layout, self.size)
+
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's part of the full tensor `x` (identical on all ranks) along `dim`."""
+        return layouts.shard(x, dim, self.rank, self.size, self.layout)
+
+    def gather(self, x_local: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """The full tensor on every rank; inverse of `shard`. Differentiable: the gradient of the
+        local part is the sum over ranks of their gradients for it (like all_gather's autograd)."""
+        if self.size == 1:
+            return x_local
+        return _Gather.apply(x_local, self, dim)
+
+    def positions(self, seq_len: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """Global positions of this rank's tokens for a full sequence of `seq_len` tokens."""
+        return layouts.positions(seq_len, self.rank, self.size, self.layout, device=device)
+
+    def shard_batch(self, batch: dict, **kwargs) -> dict:
+        """Full batch dict (input_ids, labels?, attention_mask?) -> this rank's local batch."""
+        from longdoc.hf.batch import shard_batch
+
+        return shard_batch(batch, self, **kwargs)
+
+    def comm_device(self, like: torch.device) -> torch.device:
+        if self.group is not None and dist.get_backend(self.group) == dist.Backend.NCCL:
+            return like if like.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cp: ContextParallel, dim: int):
+        ctx.cp, ctx.dim = cp, dim
+        parts = comm.all_gather(x, cp.group, cp.timeout)
+        return layouts.unshard(parts, dim % x.dim(), cp.layout)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cp, dim = ctx.cp, ctx.dim % grad.dim()
+        parts = [layouts.shard(grad, dim, r, cp.size, cp.layout) for r in range(cp.size)]
+        return comm.reduce_scatter(parts, cp.group, cp.timeout), None, None
+
+
+# ---- validation: a pure function of every rank's metadata, so every rank raises the same error ----
+
+_DTYPE_IDS = {dt: i for i, dt in enumerate((torch.float16, torch.bfloat16, torch.float32, torch.float64))}
+
+
+def _meta(q, k, v, causal: bool, strategy: str) -> list[int]:
+    def dims(t):
+        return [t.dim()] + (list(t.shape) + [0, 0, 0, 0])[:4]
+
+    same_device = int(q.device == k.device == v.device)
+    return [*dims(q), *dims(k), *dims(v), *(_DTYPE_IDS.get(t.dtype, -1) for t in (q, k, v)),
+            same_device, int(causal), STRATEGIES.index(strategy)]
+
+
+def _describe(meta: list[int]) -> str:
+    names = {i: str(dt).removeprefix("torch.") for dt, i in _DTYPE_IDS.items()}
+    q, k, v = meta[1:5], meta[6:10], meta[11:15]
+    dt = [names.get(i, "unsupported") for i in meta[15:18]]
+    return f"q {tuple(q)} {dt[0]}, k {tuple(k)} {dt[1]}, v {tuple(v)} {dt[2]}, causal={bool(meta[19])}"
+
+
+def _problem(meta: list[int], layout: str, world_size: int) -> str | None:
+    """What is wrong with one rank's attention inputs, or None."""
+    if meta[0] != 4 or meta[5] != 4 or meta[10] != 4:
+        return (f"q, k and v must be 4-D (batch, heads, local_len, head_dim); got {meta[0]}-D, {meta[5]}-D "
+                f"and {meta[10]}-D tensors (transpose (batch, len, heads, dim) inputs with .transpose(1, 2))")
+    (bq, hq, lq, dq), (bk, hk, lk, dk), (bv, hv, lv, dv) = meta[1:5], meta[6:10], meta[11:15]
+    if min(meta[15:18]) < 0:
+        return "q, k and v must be float16, bfloat16, float32 or float64 tensors"
+    if len(set(meta[15:18])) != 1:
+        return f"q, k and v must have one dtype; got {_describe(meta)} (cast them to q's dtype)"
+    if not meta[18]:
+        return "q, k and v must be on the same device"
+    if (bk, hk, lk, dk) != (bv, hv, lv, dv):
+        return f"k and v must have the same shape; got {_describe(meta)}"
+    if bq != bk or dq != dk:
+        return f"q and k must share batch size and head_dim; got {_describe(meta)}"
+    if hk == 0 or hq % hk:
+        return (f"q_heads ({hq}) must be a multiple of kv_heads ({hk}) for grouped-query attention; "
+                f"got {_describe(meta)}")
+    if lq != lk:
+        return (f"q and k/v must hold the same local tokens (self-attention over one sharded sequence); "
+                f"got local lengths {lq} and {lk}")
+    if lq == 0:
+        return "the local sequence is empty: the full sequence must have at least one token per chunk"
+    chunks = len(layouts.chunk_ids(layout, 0, world_size))
+    if lq % chunks:
+        return (f"local length {lq} must be divisible by {chunks} for the {layout} layout (a rank holds "
+                f"{chunks} chunks); shard the full sequence with cp.shard, or cp.shard_batch, which pads")
+    return None
+
+
+def _validate(q, k, v, cp: ContextParallel, causal: bool, strategy: str) -> None:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))}, got {strategy!r}")
+    meta = _meta(q, k, v, causal, strategy)
+    if cp.size == 1 or not cp.check_agreement:
+        metas = [meta]
+    else:
+        metas = comm.agree(meta, cp.group, cp.timeout, cp.comm_device(q.device))
+    for rank, m in enumerate(metas):
+        problem = _problem(m, cp.layout, cp.size)
+        if problem:
+            raise ValueError(f"longdoc.attention: {problem}" + (f" [on CP rank {rank}]" if cp.size > 1 else ""))
+    if any(m != metas[0] for m in metas):
+        detail = "; ".join(f"rank {r}: {_describe(m)}" for r, m in enumerate(metas))
+        raise ValueError(f"longdoc.attention: CP ranks disagree on attention inputs ({detail}); every rank "
+                         f"must pass the same shapes, dtypes and flags (shard one full tensor with cp.shard)")
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel, causal: bool = True,
+              scale: float | None = None, strategy: str = "ring") -> torch.Tensor:
+    """Exact full-sequence attention computed on local shards.
+
+    q (batch, q_heads, local_len, head_dim); k, v (batch, kv_heads, local_len, head_dim), each this
+    rank's shard (cp.shard) of the full tensors. Returns this rank's shard of
+    SDPA(q, k, v, is_causal=causal, scale=scale, enable_gqa=True). Differentiable.
+    strategy: "ring" (K/V rotate, O(local) memory) or "allgather" (K/V gathered, one collective).
+    """
+    _validate(q, k, v, cp, causal, strategy)
+    scale = kernels.default_scale(q.shape[-1]) if scale is None else float(scale)
+    kernel = kernels.select(q.device, q.dtype, cp.kernel)
+    if strategy == "ring":
+        return ring_attention(q, k, v, cp._ring, cp.layout, causal, scale, kernel)
+    group = cp.group if cp.size > 1 else None
+    return allgather_attention(q, k, v, group, cp.timeout, cp.layout, causal, scale, kernel)

@@ -1,0 +1,84 @@
+"""Communication for context parallelism: ring point-to-point, all-gather, agreement checks.
+
+Every wait takes an explicit timeout, so a rank that never arrives turns into an error on the
+others instead of a hang. Nothing here reads globals: the group travels in explicitly.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+
+def _wait(work, timeout: datetime.timedelta | None, what: str) -> None:
+    try:
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(timeout)
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"context-parallel {what} failed or timed out ({e}); another rank probably crashed, "
+            f"skipped this call, or passed tensors of another shape"
+        ) from e
+
+
+class Pending:
+    """Handles of in-flight operations; `wait()` completes them all."""
+
+    def __init__(self, works: list, timeout: datetime.timedelta | None, what: str):
+        self.works, self.timeout, self.what = works, timeout, what
+
+    def wait(self) -> None:
+        for w in self.works:
+            _wait(w, self.timeout, self.what)
+        self.works = []
+
+
+class Ring:
+    """Send to the next rank and receive from the previous one, in the order of `group`."""
+
+    def __init__(self, group: dist.ProcessGroup, timeout: datetime.timedelta | None = None):
+        self.group, self.timeout = group, timeout
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+
+    def shift(self, send: torch.Tensor, recv: torch.Tensor, tag: int = 0) -> Pending:
+        """Start sending `send` to the next rank and receiving into `recv` from the previous one."""
+        ops = [
+            dist.P2POp(dist.isend, send, self.next, self.group, tag),
+            dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
+        ]
+        return Pending(dist.batch_isend_irecv(ops), self.timeout, "ring send/recv")
+
+
+def all_gather(x: torch.Tensor, group: dist.ProcessGroup, timeout: datetime.timedelta | None) -> list[torch.Tensor]:
+    """Every rank's `x` (same shape on all ranks), in group rank order."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    _wait(dist.all_gather(parts, x.contiguous(), group=group, async_op=True), timeout, "all-gather")
+    return parts
+
+
+def reduce_scatter(parts: list[torch.Tensor], group: dist.ProcessGroup,
+                   timeout: datetime.timedelta | None) -> torch.Tensor:
+    """Sum over ranks of `parts[rank]`. NCCL reduce-scatters; gloo has no reduce-scatter, so all-reduce."""
+    rank = dist.get_rank(group)
+    if dist.get_backend(group) == dist.Backend.NCCL:
+        out = torch.empty_like(parts[rank])
+        _wait(dist.reduce_scatter(out, [p.contiguous() for p in parts], group=group, async_op=True),
+              timeout, "reduce-scatter")
+        return out
+    flat = torch.stack(parts)
+    _wait(dist.all_reduce(flat, group=group, async_op=True), timeout, "all-reduce")
+    return flat[rank]
+
+
+def agree(values: list[int], group: dist.ProcessGroup, timeout: datetime.timedelta | None,
+          device: torch.device) -> list[list[int]]:
+    """All ranks' `values` (same length everywhere): the cheap check before exchanging real data."""
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    return [p.tolist() for p in all_gather(mine, group, timeout)]
