@@ -14,7 +14,8 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from longdoc.parallel import blocks, comm, layout as layouts
+from longdoc.parallel import blocks, comm
+from longdoc.parallel import layout as layouts
 from longdoc.parallel.kernels import Kernel, _lse_dtype
 
 

@@ -7,7 +7,8 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from longdoc.parallel import comm, kernels, layout as layouts
+from longdoc.parallel import comm, kernels
+from longdoc.parallel import layout as layouts
 from longdoc.parallel.allgather import allgather_attention
 from longdoc.parallel.ring import ring_attention
 
