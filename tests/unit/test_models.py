@@ -14,8 +14,7 @@ import torch
 from longdoc import models
 
 SENTENCE = (
-    "The quick brown fox jumps over the lazy dog. Paris is the capital of France, "
-    "and Berlin is the capital of Germany."
+    "The quick brown fox jumps over the lazy dog. Paris is the capital of France, and Berlin is the capital of Germany."
 )
 
 
@@ -204,9 +203,7 @@ def test_hub_id_offline_says_what_to_use_instead(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     start = time.monotonic()
-    with pytest.raises(
-        OSError, match=r"HF_HUB_OFFLINE=1.*offline default 'SmolLM2-135M-Instruct'.*local folder"
-    ):
+    with pytest.raises(OSError, match=r"HF_HUB_OFFLINE=1.*offline default 'SmolLM2-135M-Instruct'.*local folder"):
         models.load_config("longdoc-test-org/no-such-model")
     assert time.monotonic() - start < 10
 
@@ -250,9 +247,7 @@ def test_default_model_loads_converted_with_chat_template():
 
     assert len(tok) == 49152 and (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 2)
     assert "<|im_start|>" in tok.chat_template
-    prompt = tok.apply_chat_template(
-        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
-    )
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert prompt.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
     ids = tok(SENTENCE, return_tensors="pt").input_ids
@@ -268,7 +263,10 @@ def test_default_model_loads_converted_with_chat_template():
 def test_tiny_with_default_tokenizer():
     model, tok = models.load("tiny:qwen2", seed=3)
     assert model.config.vocab_size == len(tok) == 49152
-    assert (model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id) == (1, 2, 2)
+    ids = {k: getattr(tok, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    # load_config("tiny:...") uses these constants without loading the tokenizer.
+    assert models._DEFAULT_TOKEN_IDS == {"vocab_size": len(tok), **ids}
+    assert all(getattr(model.config, k) == v for k, v in ids.items())
     assert models.load_config("tiny:qwen2").vocab_size == 49152
     assert models.load_tokenizer("tiny:qwen2").chat_template == tok.chat_template
     ids = tok(SENTENCE, return_tensors="pt").input_ids
@@ -306,6 +304,8 @@ def test_gguf_conversion_into_fresh_cache_matches_direct_gguf_load(tmp_path):
     print(f"conversion {convert_s:.1f} s, load from cache {load_s:.1f} s")
 
     gguf = models._default_gguf()
+    # The fallback used when a GGUF tokenizer comes without a template reads the same metadata.
+    assert models._gguf_field(gguf, "tokenizer.chat_template") == models.load_tokenizer().chat_template
     direct = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
     )
