@@ -1,0 +1,290 @@
+"""`patch(model, cp)`: run a Hugging Face causal LM with exact context-parallel attention.
+
+    model = longdoc.patch(model, cp)          # any causal LM that uses transformers' AttentionInterface
+    local = cp.shard_batch(batch)             # this rank's tokens, global positions, pre-shifted labels
+    model(**local).loss.backward()            # loss = this rank's share; sum over CP = single-device mean
+
+What patch does, all of it undoable with `unpatch(model)`:
+  - registers "longdoc_cp" with AttentionInterface and AttentionMaskInterface (never replacing a name)
+    and sets it as the model's attention implementation: the model's own modules run unchanged;
+  - puts a `CPHandle` (the cp group and the ring strategy) on the model's modules, where the
+    attention function finds it: no globals, so several patched models and groups coexist;
+  - replaces the causal-LM loss with the CP share (sum of token losses / global token count);
+  - adds a forward pre-hook that checks, once per call and before any communication, what only the
+    whole call shows (positions, labels, padding, RoPE scaling), and a post-hook that checks every
+    decoder layer's attention really went through the CP path.
+Model features CP cannot reproduce exactly are refused with UnsupportedFeatureError.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+from longdoc.hf import attention as cp_attn
+from longdoc.hf.attention import CPHandle, UnsupportedFeatureError, refuse
+from longdoc.parallel import comm
+from longdoc.parallel import layout as layouts
+from longdoc.parallel.api import STRATEGIES, ContextParallel
+
+__all__ = ["patch", "unpatch", "is_patched", "UnsupportedFeatureError"]
+
+# Layer kinds whose attention is plain causal (sliding windows are checked against the length per call);
+# the MLP kinds carry no attention at all.
+_SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention", "dense", "sparse", "moe"}
+
+
+def _hf_model(model: torch.nn.Module):
+    from transformers import PreTrainedModel
+
+    for m in model.modules():  # the model itself first, then e.g. the model inside a PEFT wrapper
+        if isinstance(m, PreTrainedModel):
+            return m
+    raise TypeError(f"longdoc.patch needs a transformers PreTrainedModel (or a wrapper holding one), "
+                    f"got {type(model).__name__}")
+
+
+def _model_name(hf) -> str:
+    path = getattr(hf.config, "_name_or_path", "") or ""
+    return f"{type(hf).__name__} ({path})" if path else type(hf).__name__
+
+
+def _configs(config) -> list:
+    out = [config]
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text is not config:
+        out.append(text)
+    return out
+
+
+def check_config(config, name: str) -> None:
+    """Refuse, by name, config features that make attention differ from plain causal SDPA."""
+    for c in _configs(config):
+        if not getattr(c, "is_causal", True) or getattr(c, "use_bidirectional_attention", False):
+            raise refuse(name, "non-causal (bidirectional) attention",
+                         "context parallelism here covers causal language models only")
+        if getattr(c, "attn_logit_softcapping", None) is not None:
+            raise refuse(name, f"attention logit soft-capping (attn_logit_softcapping={c.attn_logit_softcapping})",
+                         "set config.attn_logit_softcapping = None only if you accept a different model")
+        if (getattr(c, "alibi", False) or getattr(c, "position_embedding_type", None) == "alibi"
+                or getattr(c, "model_type", None) in ("bloom", "mpt")):
+            raise refuse(name, "ALiBi position biases", "use a RoPE or absolute-position model")
+        if getattr(c, "attention_chunk_size", None) is not None:
+            raise refuse(name, f"chunked local attention (attention_chunk_size={c.attention_chunk_size})",
+                         "use a model with full causal attention")
+        kinds = sorted(set(getattr(c, "layer_types", None) or ()) - _SUPPORTED_LAYER_TYPES)
+        if kinds:
+            raise refuse(name, f"layers of type {', '.join(map(repr, kinds))}",
+                         "only full (and long-enough sliding-window) causal attention layers are supported")
+        if getattr(c, "output_router_logits", False):
+            raise refuse(name, "the MoE router auxiliary loss (output_router_logits=True)",
+                         "it is a non-linear function of whole-sequence router statistics; "
+                         "set config.output_router_logits = False")
+
+
+def _rope_limit(config) -> tuple[str, int] | None:
+    """(rope_type, length limit) for RoPE scalings that pick frequencies from the largest position id in
+    the call: under CP each rank sees different positions, so they agree only below the limit."""
+    for c in _configs(config):
+        params = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+        per_layer = [p for p in params.values() if isinstance(p, dict)] or [params]
+        for p in per_layer:
+            kind = p.get("rope_type", p.get("type")) or "default"
+            if "dynamic" in kind:
+                return kind, int(c.max_position_embeddings)
+            if kind == "longrope":
+                return kind, int(p.get("original_max_position_embeddings")
+                                 or getattr(c, "original_max_position_embeddings", c.max_position_embeddings))
+    return None
+
+
+def _cp_loss(handle: CPHandle, logits: torch.Tensor, labels: torch.Tensor | None, vocab_size: int,
+             num_items_in_batch: torch.Tensor | int | None = None, ignore_index: int = -100,
+             shift_labels: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    """This rank's loss share: sum of its token losses / global loss-token count (labels pre-shifted)."""
+    handle.loss_calls += 1
+    if shift_labels is None or num_items_in_batch is None:
+        raise ValueError("under CP the loss needs labels shifted over the full sequence (shift_labels) and the "
+                         "global loss-token count (num_items_in_batch); build the batch with cp.shard_batch")
+    logits = logits.float().reshape(-1, vocab_size)
+    target = shift_labels.reshape(-1).to(logits.device)
+    loss = F.cross_entropy(logits, target, ignore_index=ignore_index, reduction="sum")
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+# ---- per-call checks (forward pre-hook) ----
+
+def _right_padded(mask: torch.Tensor) -> bool:
+    """Every row is ones then zeros (or all ones / all zeros)."""
+    m = mask.to(torch.int8)
+    return bool((m[:, 1:] <= m[:, :-1]).all()) if m.shape[1] > 1 else True
+
+
+_PADDING_FIX = ("right padding only: tokenize with tokenizer.padding_side = 'right' (cp.shard_batch checks "
+                "and handles right padding)")
+
+
+def _call_problem(handle: CPHandle, call: dict) -> tuple[str, str] | None:
+    cp = handle.cp
+    x = call.get("input_ids")
+    x = call.get("inputs_embeds") if x is None else x
+    if x is None or x.dim() < 2:
+        return None  # the model itself raises its own clear error
+    local_len = x.shape[1]
+    chunks = len(layouts.chunk_ids(cp.layout, 0, cp.size))
+    if local_len % chunks:
+        return (f"a local sequence of {local_len} tokens", f"the {cp.layout} layout holds {chunks} equal chunks "
+                f"per rank; build the local batch with cp.shard_batch, which pads")
+    global_len = local_len * cp.size
+    pos = call.get("position_ids")
+    if pos is None:
+        return ("no position_ids", "under CP every rank must pass the GLOBAL positions of its tokens "
+                "(cp.shard_batch provides them); without them RoPE would see local positions")
+    expected = cp.positions(global_len, device=pos.device)
+    if pos.shape[-1] != local_len or not bool((pos == expected).all()):
+        return ("position_ids that are not this rank's global positions",
+                "pass the position_ids made by cp.shard_batch (packed sequences / offsets are not supported)")
+    if call.get("labels") is not None and call.get("shift_labels") is None:
+        return ("labels without shift_labels", "labels must be shifted over the FULL sequence before sharding; "
+                "build the batch with cp.shard_batch (it passes shift_labels and num_items_in_batch)")
+    if call.get("shift_labels") is not None and call.get("num_items_in_batch") is None:
+        return ("shift_labels without num_items_in_batch", "pass the global number of loss tokens "
+                "(cp.shard_batch does) so that the per-rank losses sum to the mean")
+    if call.get("output_router_logits"):
+        return ("the MoE router auxiliary loss (output_router_logits=True)",
+                "it is a non-linear function of whole-sequence router statistics; call without it")
+    cache = call.get("cache", call.get("past_key_values"))
+    if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
+        return ("a filled KV cache", "decoding under CP is not supported; pass use_cache=False (prefill only)")
+    limit = _rope_limit(handle.config)
+    if limit is not None and global_len > limit[1]:
+        return (f"RoPE scaling {limit[0]!r} at {global_len} tokens (beyond its {limit[1]}-token threshold)",
+                "this scaling picks frequencies from the largest position id each rank sees, which differs "
+                "per rank; use sequences within the threshold or a static RoPE scaling (linear, yarn, llama3)")
+    mask = call.get("attention_mask")
+    if mask is not None and mask.dim() != 2:
+        return (f"a custom {mask.dim()}-D attention mask", "pass a 2-D right-padding mask, or none")
+    return None
+
+
+def _pre_forward(handle: CPHandle, signature: inspect.Signature, module, args, kwargs):
+    cp = handle.cp
+    if cp is None:
+        cp_attn.handle_of(module)  # raises: unpickled or unpatched model
+    handle.attention_calls = 0
+    handle.loss_calls = 0
+    call = signature.bind_partial(*args, **kwargs).arguments
+    call = {**call.pop("kwargs", {}), **call}
+    problem = _call_problem(handle, call)
+    mask = call.get("attention_mask")
+    has_pad = mask is not None and mask.dim() == 2 and not bool(mask.all())
+    if cp.size > 1 and cp.check_agreement:
+        # One tiny collective per call so every rank raises the same error instead of some hanging.
+        metas = comm.agree([problem is not None, has_pad], cp.group, cp.timeout, cp.comm_device(module.device))
+        bad = [r for r, m in enumerate(metas) if m[0]]
+        if problem is None and bad:
+            raise RuntimeError(f"longdoc.patch: CP rank {bad[0]} rejected this call's inputs to "
+                               f"{handle.model_name} (its error says why); all ranks stop here")
+        any_pad = any(m[1] for m in metas)
+    else:
+        any_pad = has_pad
+    if problem is not None:
+        raise refuse(handle.model_name, *problem)
+    if any_pad:
+        if cp.size == 1:
+            full = mask
+        elif cp.check_agreement:
+            local = mask.to(torch.uint8) if mask is not None else None
+            if local is None:
+                x = call.get("input_ids", call.get("inputs_embeds"))
+                local = torch.ones(x.shape[:2], dtype=torch.uint8, device=x.device)
+            full = cp.gather(local, dim=1)
+        else:
+            raise refuse(handle.model_name, "an attention_mask with padding under check_agreement=False",
+                         "drop the mask: cp.shard_batch pads on the right and needs none")
+        if not _right_padded(full):
+            raise refuse(handle.model_name, "left padding or holes in attention_mask", _PADDING_FIX)
+    return None
+
+
+def _post_forward(handle: CPHandle, n_layers: int, module, args, kwargs, output):
+    if handle.attention_calls < n_layers:
+        raise RuntimeError(
+            f"longdoc.patch: only {handle.attention_calls} of {n_layers} layers of {handle.model_name} ran their "
+            f"attention through the CP path; the model does not dispatch attention through transformers' "
+            f"AttentionInterface everywhere, so its outputs are NOT context-parallel-exact"
+        )
+    loss = getattr(output, "loss", None)
+    if loss is not None and handle.loss_calls == 0:
+        raise RuntimeError(f"longdoc.patch: {handle.model_name} computed its loss without model.loss_function, "
+                           f"so the CP loss share was bypassed; compute the loss from local logits yourself")
+    return None
+
+
+def patch(model: torch.nn.Module, cp: ContextParallel, *, strategy: str = "ring") -> torch.nn.Module:
+    """Make `model` (a transformers causal LM, or a wrapper such as PEFT holding one) run its attention
+    as exact context-parallel attention over `cp`. Returns the same model object, patched in place.
+
+    strategy: "ring" (K/V rotate, O(local) memory) or "allgather" (K/V gathered per layer).
+    Raises UnsupportedFeatureError for features CP cannot reproduce exactly.
+    """
+    if not isinstance(cp, ContextParallel):
+        raise TypeError(f"cp must be a longdoc.ContextParallel, got {type(cp).__name__}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))}, got {strategy!r}")
+    hf = _hf_model(model)
+    if is_patched(hf):
+        unpatch(hf)
+    name = _model_name(hf)
+    check_config(hf.config, name)
+    if not type(hf)._can_set_attn_implementation():
+        raise refuse(name, "attention code that does not go through transformers' AttentionInterface",
+                     "only models whose attention modules call ALL_ATTENTION_FUNCTIONS can be patched")
+    cp_attn.register()
+    original = hf.config._attn_implementation
+    hf.set_attn_implementation(cp_attn.NAME)
+    if hf.config._attn_implementation != cp_attn.NAME:
+        raise refuse(name, "an attention implementation that cannot be switched",
+                     "load the model with attn_implementation='sdpa' and patch again")
+    handle = CPHandle(cp, strategy, name, hf.config)
+    for m in hf.modules():
+        m._longdoc_cp = handle
+    had_loss = "_loss_function" in hf.__dict__
+    old_loss = hf.__dict__.get("_loss_function")
+    hf.loss_function = functools.partial(_cp_loss, handle)
+    n_layers = int(getattr(hf.config.get_text_config(), "num_hidden_layers", 1) or 1)
+    hooks = [
+        hf.register_forward_pre_hook(functools.partial(_pre_forward, handle, inspect.signature(hf.forward)),
+                                     with_kwargs=True),
+        hf.register_forward_hook(functools.partial(_post_forward, handle, n_layers), with_kwargs=True),
+    ]
+    handle.restore = (original, had_loss, old_loss, hooks)
+    return model
+
+
+def is_patched(model: torch.nn.Module) -> bool:
+    return getattr(_hf_model(model), "_longdoc_cp", None) is not None
+
+
+def unpatch(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo `patch`: restore the previous attention implementation and loss, remove hooks and handles."""
+    hf = _hf_model(model)
+    handle = getattr(hf, "_longdoc_cp", None)
+    if handle is None:
+        return model
+    original, had_loss, old_loss, hooks = getattr(handle, "restore", ("sdpa", False, None, []))
+    for h in hooks:
+        h.remove()
+    for m in hf.modules():
+        m.__dict__.pop("_longdoc_cp", None)
+    if had_loss:
+        hf._loss_function = old_loss
+    else:
+        hf.__dict__.pop("_loss_function", None)
+    hf.set_attn_implementation(original)
+    return model
