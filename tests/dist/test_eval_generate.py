@@ -1,0 +1,132 @@
+"""Generation and teacher-forced scoring under CP (gloo, 2 ranks) against single-process references.
+
+One spawn; every case runs inside it. Each rank computes the single-process reference itself (plain
+HF forward / DynamicCache decoding with sdpa on the full prompt) and returns what it measured; the
+test process asserts, so a failure lists every case at once.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from tests.distributed import run_ranks
+
+LOGITS_TOL, NLL_TOL = 1e-4, 1e-5
+
+# (name, arch, prompt length, new tokens, strategy, batch)
+GEN_CASES = [
+    ("llama-2k", "llama", 2048, 16, "ring", 1),
+    ("llama-odd-allgather", "llama", 1001, 12, "allgather", 1),
+    ("llama-batch2", "llama", 333, 8, "ring", 2),
+    ("llama-1-token-prompt", "llama", 1, 6, "ring", 1),  # rank 1 caches nothing after prefill
+    ("qwen3", "qwen3", 517, 8, "ring", 1),
+    ("gemma", "gemma", 402, 8, "ring", 1),
+    ("stablelm-partial-rope", "stablelm", 389, 8, "ring", 1),
+    ("phi3", "phi3", 300, 8, "ring", 1),
+]
+
+
+def reference_greedy(model, ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Single-process greedy decoding with the model's own attention and a DynamicCache."""
+    cache = DynamicCache()
+    with torch.no_grad():
+        logits = model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1].float()
+        tokens, seen = [], []
+        for i in range(n):
+            tokens.append(logits.argmax(-1))
+            seen.append(logits)
+            if i < n - 1:
+                logits = model(input_ids=tokens[-1][:, None], cache=cache, use_cache=True).logits[:, -1].float()
+    return torch.stack(tokens, 1), torch.stack(seen, 1)
+
+
+def reference_nll(model, prompt: torch.Tensor, answer: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """Answer NLL and argmax tokens from one single-process forward over prompt + answer."""
+    ids = torch.cat([prompt, answer], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, prompt.shape[1] - 1 : -1].double()
+    logp = torch.log_softmax(logits, -1).gather(-1, answer[0, :, None]).squeeze(-1)
+    return float(-logp.sum()), logits.argmax(-1)
+
+
+def _ids(seed: int, batch: int, length: int) -> torch.Tensor:
+    return torch.randint(3, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _worker(rank: int, world: int) -> dict:
+    import longdoc
+    from longdoc.eval.scoring import answer_score
+    from longdoc.hf.generate import KVSession, generate
+    from longdoc.models import tiny_model
+
+    cp = longdoc.ContextParallel(timeout=60)
+    out: dict = {}
+    for i, (name, arch, length, n_new, strategy, batch) in enumerate(GEN_CASES):
+        model = tiny_model(arch, seed=i).eval()
+        ids = _ids(i, batch, length)
+        ref_tokens, ref_logits = reference_greedy(model, ids, n_new)
+        got = generate(model, cp, ids, n_new, strategy=strategy, return_logits=True)
+        out[name] = dict(tokens=got.tokens.tolist(), ref_tokens=ref_tokens.tolist(),
+                         logits_err=float((got.logits - ref_logits).abs().max()),
+                         impl=model.config._attn_implementation)
+
+    # A document prefilled once, two questions each extended, answered greedily and scored, with rollbacks
+    # in between: everything must match single-process runs on the concatenated ids.
+    model = tiny_model("llama", seed=7).eval()
+    longdoc.patch(model, cp)  # a patched model is unpatched for the session and re-patched after it
+    doc = _ids(100, 1, 1500)
+    questions = [_ids(101, 1, 23), _ids(102, 1, 9)]
+    answers = [_ids(103, 1, 7), _ids(104, 1, 1)]
+    with KVSession(model, cp) as session:
+        session.prefill(doc)
+        start = session.mark()
+        for j, (q, a) in enumerate(zip(questions, answers)):
+            logits = session.extend(q)[:, -1]
+            asked = session.mark()
+            gen = session.greedy(logits, 10, return_logits=True)
+            session.rollback(asked)
+            score = answer_score(session, logits, a)
+            session.rollback(start)
+            hf = model  # reference: the same weights through plain sdpa
+            hf.set_attn_implementation("sdpa")
+            ref_tokens, ref_logits = reference_greedy(hf, torch.cat([doc, q], 1), 10)
+            ref_nll, ref_argmax = reference_nll(hf, torch.cat([doc, q], 1), a)
+            hf.set_attn_implementation(longdoc.hf.generate.NAME)
+            out[f"qa{j}"] = dict(tokens=gen.tokens.tolist(), ref_tokens=ref_tokens.tolist(),
+                                 logits_err=float((gen.logits - ref_logits).abs().max()),
+                                 nll=score.nll, ref_nll=ref_nll, argmax_tokens=score.argmax_tokens,
+                                 ref_argmax_tokens=int((ref_argmax == a[0]).sum()))
+    out["repatched"] = (longdoc.hf.is_patched(model), model.config._attn_implementation)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_ranks(2, _worker, deadline=400, pg_timeout=120)
+
+
+@pytest.mark.parametrize("case", [c[0] for c in GEN_CASES] + ["qa0", "qa1"])
+def test_cp2_greedy_equals_single_process(results, case):
+    for rank, res in enumerate(results):
+        r = res[case]
+        assert r["tokens"] == r["ref_tokens"], f"rank {rank}: {r['tokens']} != {r['ref_tokens']}"
+        # Close logits, not just the same argmax: a greedy tie could hide a wrong merge.
+        assert r["logits_err"] < LOGITS_TOL, f"rank {rank}: logits differ by {r['logits_err']:.2e}"
+        if "impl" in r:
+            assert r["impl"] == "sdpa", "the session must restore the model's attention implementation"
+    assert results[0][case]["tokens"] == results[1][case]["tokens"]
+
+
+@pytest.mark.parametrize("case", ["qa0", "qa1"])
+def test_teacher_forced_nll_matches_single_forward(results, case):
+    for res in results:
+        r = res[case]
+        assert abs(r["nll"] - r["ref_nll"]) < NLL_TOL, (r["nll"], r["ref_nll"])
+        assert r["argmax_tokens"] == r["ref_argmax_tokens"]
+
+
+def test_patched_model_is_repatched(results):
+    for res in results:
+        assert res["repatched"] == (True, "longdoc_cp")
