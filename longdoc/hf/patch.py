@@ -135,6 +135,9 @@ def _call_problem(handle: CPHandle, call: dict) -> tuple[str, str] | None:
     x = call.get("inputs_embeds") if x is None else x
     if x is None or x.dim() < 2:
         return None  # the model itself raises its own clear error
+    cache = call.get("cache", call.get("past_key_values"))
+    if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
+        return ("a filled KV cache", "decoding under CP is not supported; pass use_cache=False (prefill only)")
     local_len = x.shape[1]
     chunks = len(layouts.chunk_ids(cp.layout, 0, cp.size))
     if local_len % chunks:
@@ -158,9 +161,6 @@ def _call_problem(handle: CPHandle, call: dict) -> tuple[str, str] | None:
     if call.get("output_router_logits"):
         return ("the MoE router auxiliary loss (output_router_logits=True)",
                 "it is a non-linear function of whole-sequence router statistics; call without it")
-    cache = call.get("cache", call.get("past_key_values"))
-    if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
-        return ("a filled KV cache", "decoding under CP is not supported; pass use_cache=False (prefill only)")
     limit = _rope_limit(handle.config)
     if limit is not None and global_len > limit[1]:
         return (f"RoPE scaling {limit[0]!r} at {global_len} tokens (beyond its {limit[1]}-token threshold)",

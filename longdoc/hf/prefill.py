@@ -1,0 +1,166 @@
+"""Prefill for evaluation: a patched model's forward over a whole long prompt under CP, no KV cache.
+
+    local = prefill(model, cp, batch)                          # (batch, local_len, vocab), this rank's tokens
+    at = prefill(model, cp, batch, positions=[n - 1])          # (batch, 1, vocab) on every rank
+    lp = span_logprobs(model, cp, batch, start, end)           # (batch, end - start): log p(answer tokens)
+
+Chosen positions never need the whole (length x vocab) tensor anywhere: each rank runs the LM head
+only on the requested positions it holds (transformers' `logits_to_keep`), and one all-reduce of
+(batch, n, vocab) logits (or (batch, n) log-probs) brings the answer to every rank. Results of the
+position helpers are detached (evaluation, not training: use labels with -100 for span losses).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from longdoc.hf.batch import shard_batch
+from longdoc.parallel import comm
+from longdoc.parallel.api import ContextParallel
+
+__all__ = ["prefill", "gather_positions", "target_logprobs", "span_logprobs"]
+
+
+def _check_patched(model: torch.nn.Module, cp: ContextParallel) -> None:
+    from longdoc.hf.patch import _hf_model
+
+    handle = getattr(_hf_model(model), "_longdoc_cp", None)
+    if handle is None:
+        raise ValueError("prefill needs a model patched for CP: call longdoc.patch(model, cp) first")
+    if handle.cp is not cp:
+        raise ValueError(f"the model is patched with {handle.cp!r}, not with the {cp!r} passed here; "
+                         f"pass the same ContextParallel object")
+
+
+def _all_reduce(t: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    if cp.size > 1:
+        work = dist.all_reduce(t, group=cp.group, async_op=True)
+        comm.Pending([work], cp.timeout, "prefill all-reduce").wait()
+    return t
+
+
+def _local_index(cp: ContextParallel, padded_len: int, positions: torch.Tensor) -> torch.Tensor:
+    """For global positions, their index in this rank's local tokens, or -1 where another rank holds them."""
+    where = torch.full((padded_len,), -1, dtype=torch.long, device=positions.device)
+    mine = cp.positions(padded_len, device=positions.device)
+    where[mine] = torch.arange(mine.numel(), device=positions.device)
+    return where[positions]
+
+
+def _positions(positions: Any, bsz: int, seq_len: int, device: torch.device) -> torch.Tensor:
+    p = torch.as_tensor(positions, dtype=torch.long, device=device)
+    if p.dim() == 0:
+        p = p.reshape(1)
+    if p.dim() == 1:
+        p = p.unsqueeze(0).expand(bsz, -1)
+    if p.dim() != 2 or p.shape[0] != bsz:
+        raise ValueError(f"positions must be (n,) or (batch={bsz}, n), got shape {tuple(p.shape)}")
+    if p.numel() and (int(p.min()) < 0 or int(p.max()) >= seq_len):
+        raise ValueError(f"positions must lie in [0, {seq_len}) (the sequence length), got "
+                         f"[{int(p.min())}, {int(p.max())}]")
+    return p
+
+
+def _run(model, cp: ContextParallel, batch: Mapping[str, Any], keep: torch.Tensor | None, pad_token_id: int):
+    _check_patched(model, cp)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    local = shard_batch(inputs, cp, pad_token_id=pad_token_id)
+    extra = {} if keep is None else {"logits_to_keep": keep}
+    with torch.no_grad():
+        logits = model(**local, use_cache=False, **extra).logits
+    return local, logits
+
+
+def _owned_logits(model, cp: ContextParallel, batch: Mapping[str, Any], positions, pad_token_id: int):
+    """Logits at the requested positions this rank holds: (positions (b, n), slot (b, n), logits (b, k, V)),
+    where logits[:, slot[i, j]] belongs to positions[i, j] when slot[i, j] >= 0."""
+    key = "input_ids" if "input_ids" in batch else "inputs_embeds"
+    x = torch.as_tensor(batch[key])
+    if key == "input_ids" and x.dim() == 1:
+        x = x.unsqueeze(0)
+    bsz, seq_len = x.shape[:2]
+    p = _positions(positions, bsz, seq_len, x.device)
+    padded = -(-seq_len // cp.multiple) * cp.multiple
+    local_idx = _local_index(cp, padded, p)  # (b, n), -1 where another rank holds the token
+    keep = torch.unique(local_idx[local_idx >= 0])  # sorted local indices the LM head must see
+    _, logits = _run(model, cp, batch, keep, pad_token_id)
+    if logits.shape[1] != keep.numel():
+        logits = logits[:, keep]  # a model without logits_to_keep support returned all local logits
+    slot = torch.searchsorted(keep, local_idx.clamp(min=0))
+    slot = torch.where(local_idx >= 0, slot, torch.full_like(slot, -1))
+    return p, slot, logits
+
+
+def prefill(model: torch.nn.Module, cp: ContextParallel, batch: Mapping[str, Any], *,
+            positions: Sequence[int] | torch.Tensor | None = None, pad_token_id: int = 0) -> torch.Tensor:
+    """Forward the full batch (identical on every rank) under CP without a KV cache.
+
+    Without `positions`: this rank's local logits (batch, local_len, vocab), for the tokens at global
+    positions cp.positions(padded_len) (the sequence is padded to cp.multiple; ignore padded rows).
+    With `positions` ((n,) or (batch, n) global positions): (batch, n, vocab) logits at those positions,
+    identical on every rank, computed without building the full logits anywhere.
+    """
+    if positions is None:
+        return _run(model, cp, batch, None, pad_token_id)[1]
+    p, slot, logits = _owned_logits(model, cp, batch, positions, pad_token_id)
+    out = logits.new_zeros((*p.shape, logits.shape[-1]))
+    rows, cols = torch.nonzero(slot >= 0, as_tuple=True)
+    out[rows, cols] = logits[rows, slot[rows, cols]]
+    return _all_reduce(out, cp)
+
+
+def target_logprobs(model: torch.nn.Module, cp: ContextParallel, batch: Mapping[str, Any],
+                    positions: Sequence[int] | torch.Tensor, targets: torch.Tensor, *,
+                    pad_token_id: int = 0) -> torch.Tensor:
+    """log p(targets[i, j] | tokens up to positions[i, j]) as a (batch, n) fp32 tensor on every rank.
+
+    Only (batch, n) numbers travel: each rank takes the log-softmax of the rows it holds."""
+    p, slot, logits = _owned_logits(model, cp, batch, positions, pad_token_id)
+    targets = torch.as_tensor(targets, device=logits.device).long()
+    if targets.dim() == 1:
+        targets = targets.unsqueeze(0).expand(p.shape[0], -1)
+    if targets.shape != p.shape:
+        raise ValueError(f"targets must match positions {tuple(p.shape)}, got {tuple(targets.shape)}")
+    out = torch.zeros(p.shape, dtype=torch.float32, device=logits.device)
+    rows, cols = torch.nonzero(slot >= 0, as_tuple=True)
+    if rows.numel():
+        rows_logits = logits[rows, slot[rows, cols]].float()  # (k, vocab)
+        lp = torch.log_softmax(rows_logits, dim=-1)
+        out[rows, cols] = lp.gather(1, targets[rows, cols].unsqueeze(1)).squeeze(1)
+    return _all_reduce(out, cp)
+
+
+def span_logprobs(model: torch.nn.Module, cp: ContextParallel, batch: Mapping[str, Any], start: int, end: int,
+                  *, pad_token_id: int = 0) -> torch.Tensor:
+    """Per-token log-probabilities (batch, end - start) of input_ids[:, start:end] given everything before,
+    e.g. an answer span after a long document; `.sum(-1)` is the span's log-likelihood."""
+    ids = torch.as_tensor(batch["input_ids"])
+    if ids.dim() == 1:
+        ids = ids.unsqueeze(0)
+    if not 1 <= start < end <= ids.shape[1]:
+        raise ValueError(f"need 1 <= start < end <= {ids.shape[1]} (the first token has no prediction), "
+                         f"got start={start}, end={end}")
+    positions = torch.arange(start - 1, end - 1, device=ids.device)
+    return target_logprobs(model, cp, batch, positions, ids[:, start:end], pad_token_id=pad_token_id)
+
+
+def gather_positions(local: torch.Tensor, cp: ContextParallel, positions: Sequence[int] | torch.Tensor,
+                     *, dim: int = 1) -> torch.Tensor:
+    """Values of a sharded tensor (e.g. local logits from `prefill`) at chosen global positions, on every
+    rank: `local` holds this rank's part along `dim`; returns the entries at `positions` (n,) along `dim`.
+    One all-reduce of the selected entries; the full tensor is never gathered."""
+    dim = dim % local.dim()
+    padded = local.shape[dim] * cp.size
+    p = torch.as_tensor(positions, dtype=torch.long, device=local.device).reshape(-1)
+    if p.numel() and (int(p.min()) < 0 or int(p.max()) >= padded):
+        raise ValueError(f"positions must lie in [0, {padded}), got [{int(p.min())}, {int(p.max())}]")
+    idx = _local_index(cp, padded, p)
+    picked = local.detach().index_select(dim, idx.clamp(min=0))
+    shape = [1] * local.dim()
+    shape[dim] = -1
+    picked = torch.where((idx >= 0).reshape(shape), picked, torch.zeros((), dtype=local.dtype, device=local.device))
+    return _all_reduce(picked.contiguous(), cp)

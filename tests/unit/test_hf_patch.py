@@ -1,0 +1,273 @@
+"""longdoc.patch in one process (CP size 1): exactness, and every refusal with its error text."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
+from transformers.masking_utils import AttentionMaskInterface
+
+import longdoc
+from longdoc import models
+from longdoc.hf import UnsupportedFeatureError, is_patched, patch, unpatch
+from longdoc.hf.attention import NAME, cp_attention_forward
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=256)
+
+
+@pytest.fixture
+def cp():
+    return longdoc.ContextParallel()
+
+
+def _ids(length=20, bsz=1, seed=0):
+    return torch.randint(0, 256, (bsz, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _run(model, cp, ids, **extra):
+    batch = {"input_ids": ids, "labels": ids, **extra}
+    return model(**cp.shard_batch(batch))
+
+
+def _refuses(match, fn, *args, **kwargs):
+    with pytest.raises(UnsupportedFeatureError, match=match):
+        fn(*args, **kwargs)
+
+
+# ---- exactness and mechanics ----
+
+@pytest.mark.parametrize("arch", models.TINY_ARCHS)
+def test_patched_equals_sdpa_at_size_one(arch, cp):
+    ids = _ids(21, bsz=2)
+    ref = models.tiny_model(arch)(input_ids=ids, labels=ids)
+    model = patch(models.tiny_model(arch), cp)
+    assert model.config._attn_implementation == NAME
+    out = _run(model, cp, ids)
+    assert (out.logits[:, :21] - ref.logits).abs().max() <= 1e-5
+    assert abs(out.loss.item() - ref.loss.item()) <= 1e-6
+
+
+def test_registration_adds_a_name_and_keeps_sdpa(cp):
+    sdpa_attn, sdpa_mask = AttentionInterface._global_mapping["sdpa"], AttentionMaskInterface._global_mapping["sdpa"]
+    patch(models.tiny_model("llama"), cp)
+    assert AttentionInterface._global_mapping[NAME] is cp_attention_forward
+    assert AttentionInterface._global_mapping["sdpa"] is sdpa_attn
+    assert AttentionMaskInterface._global_mapping["sdpa"] is sdpa_mask
+    # an unpatched model in the same process still runs sdpa
+    assert models.tiny_model("llama").config._attn_implementation == "sdpa"
+
+
+def test_an_existing_foreign_name_is_never_overwritten(cp):
+    patch(models.tiny_model("llama"), cp)  # registers ours
+    AttentionInterface._global_mapping[NAME] = lambda *a, **k: None
+    try:
+        with pytest.raises(RuntimeError, match="already has a function named 'longdoc_cp'"):
+            patch(models.tiny_model("llama"), cp)
+    finally:
+        AttentionInterface._global_mapping[NAME] = cp_attention_forward
+
+
+def test_no_full_length_mask_is_built(cp, monkeypatch):
+    import transformers.masking_utils as mu
+
+    def boom(*a, **k):
+        raise AssertionError("a dense mask was built")
+
+    for name in ("sdpa_mask", "eager_mask"):
+        monkeypatch.setattr(mu, name, boom)
+    monkeypatch.setitem(mu.AttentionMaskInterface._global_mapping, "sdpa", boom)
+    model = patch(models.tiny_model("mistral", sliding_window=64), cp)
+    ids = _ids(20, bsz=2)
+    mask = torch.ones_like(ids)
+    mask[1, 15:] = 0
+    _run(model, cp, ids, attention_mask=mask).loss.backward()
+    model(input_ids=ids[:, :20], position_ids=torch.arange(20)[None], attention_mask=mask)  # mask passed directly
+
+
+def test_unpatch_restores_sdpa_and_loss(cp):
+    model = models.tiny_model("qwen3")
+    ids = _ids()
+    ref = model(input_ids=ids, labels=ids).loss
+    patch(model, cp)
+    assert is_patched(model)
+    unpatch(model)
+    assert not is_patched(model) and model.config._attn_implementation == "sdpa"
+    assert "_loss_function" not in model.__dict__
+    assert torch.equal(model(input_ids=ids, labels=ids).loss, ref)
+
+
+def test_patching_twice_and_deepcopy_and_pickle(cp):
+    model = patch(patch(models.tiny_model("llama"), cp), cp)
+    assert len(model._forward_pre_hooks) == 1
+    ids = _ids()
+    twin = copy.deepcopy(model)
+    assert torch.equal(_run(twin, cp, ids).loss, _run(model, cp, ids).loss)
+    revived = pickle.loads(pickle.dumps(model))
+    with pytest.raises(RuntimeError, match="call longdoc.patch"):
+        _run(revived, cp, ids)
+
+
+def test_peft_style_wrapper_is_patched_through(cp):
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, **kw):
+            return self.inner(**kw)
+
+    ids = _ids()
+    ref = models.tiny_model("llama")(input_ids=ids, labels=ids).loss
+    wrapped = patch(Wrapper(models.tiny_model("llama")), cp)
+    assert abs(_run(wrapped, cp, ids).loss.item() - ref.item()) <= 1e-6
+
+
+def test_prefill_at_size_one(cp):
+    from longdoc.hf.prefill import gather_positions, prefill, span_logprobs
+
+    ids = _ids(19)
+    ref = models.tiny_model("gemma")(input_ids=ids).logits
+    model = patch(models.tiny_model("gemma"), cp)
+    local = prefill(model, cp, {"input_ids": ids})
+    assert (local[:, :19] - ref).abs().max() <= 1e-5
+    picked = prefill(model, cp, {"input_ids": ids}, positions=[18, 3])
+    assert (picked - ref[:, [18, 3]]).abs().max() <= 1e-5
+    assert torch.equal(gather_positions(local, cp, [18, 3]), local[:, [18, 3]])
+    lp = span_logprobs(model, cp, {"input_ids": ids}, 15, 19)
+    want = torch.log_softmax(ref[0, 14:18], -1).gather(1, ids[0, 15:19, None]).squeeze(1)
+    assert (lp[0] - want).abs().max() <= 1e-5
+    with pytest.raises(ValueError, match="positions must lie in"):
+        prefill(model, cp, {"input_ids": ids}, positions=[19])
+    with pytest.raises(ValueError, match="needs a model patched for CP"):
+        prefill(models.tiny_model("gemma"), cp, {"input_ids": ids})
+
+
+# ---- refusals: config features (at patch time) ----
+
+def test_refuses_attention_softcapping(cp):
+    config = AutoConfig.for_model("gemma2", **TINY)
+    _refuses(r"Gemma2ForCausalLM uses attention logit soft-capping \(attn_logit_softcapping=50.0\)",
+             patch, AutoModelForCausalLM.from_config(config), cp)
+
+
+def test_refuses_softcap_passed_at_call_time(cp):
+    config = AutoConfig.for_model("gemma2", **TINY, attn_logit_softcapping=None, sliding_window=64)
+    model = patch(AutoModelForCausalLM.from_config(config), cp)
+    for m in model.modules():
+        if hasattr(m, "attn_logit_softcapping"):
+            m.attn_logit_softcapping = 30.0
+    _refuses(r"uses attention logit soft-capping \(softcap=30.0\)", _run, model, cp, _ids())
+
+
+def test_refuses_alibi(cp):
+    config = AutoConfig.for_model("falcon", hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+                                  vocab_size=256, alibi=True)
+    _refuses(r"FalconForCausalLM uses ALiBi position biases", patch, AutoModelForCausalLM.from_config(config), cp)
+
+
+def test_refuses_bidirectional(cp):
+    model = models.tiny_model("llama")
+    model.config.is_causal = False
+    _refuses("LlamaForCausalLM uses non-causal \\(bidirectional\\) attention", patch, model, cp)
+    model = patch(models.tiny_model("llama"), cp)
+    model.model.layers[1].self_attn.is_causal = False
+    _refuses("non-causal \\(bidirectional\\) attention", _run, model, cp, _ids())
+
+
+def test_refuses_other_layer_kinds_and_chunked_attention(cp):
+    model = models.tiny_model("llama")
+    model.config.layer_types = ["full_attention", "linear_attention"]
+    _refuses("uses layers of type 'linear_attention'", patch, model, cp)
+    model = models.tiny_model("llama")
+    model.config.attention_chunk_size = 8
+    _refuses(r"chunked local attention \(attention_chunk_size=8\)", patch, model, cp)
+
+
+def test_refuses_moe_router_aux_loss(cp):
+    _refuses(r"MixtralForCausalLM uses the MoE router auxiliary loss \(output_router_logits=True\)",
+             patch, models.tiny_model("mixtral", output_router_logits=True), cp)
+    model = patch(models.tiny_model("mixtral"), cp)
+    local = cp.shard_batch({"input_ids": _ids(), "labels": _ids()})
+    _refuses("the MoE router auxiliary loss", model, **local, output_router_logits=True)
+
+
+# ---- refusals: per call ----
+
+def test_sliding_window_shorter_than_the_sequence_is_refused_longer_works(cp):
+    model = patch(models.tiny_model("mistral", sliding_window=16), cp)
+    _refuses(r"MistralForCausalLM uses sliding-window attention \(window 16 < sequence length 20",
+             _run, model, cp, _ids(20))
+    ids = _ids(16)
+    ref = models.tiny_model("mistral", sliding_window=16)(input_ids=ids, labels=ids).loss
+    assert abs(_run(model, cp, ids).loss.item() - ref.item()) <= 1e-6
+    # 15 tokens are padded to 16 (cp.multiple 2): still within the window
+    _run(model, cp, _ids(15))
+
+
+def test_refuses_custom_4d_mask(cp):
+    model = patch(models.tiny_model("llama"), cp)
+    local = cp.shard_batch({"input_ids": _ids(), "labels": _ids()})
+    mask4d = torch.ones(1, 1, 20, 20, dtype=torch.bool).tril()
+    _refuses(r"LlamaForCausalLM uses a custom 4-D attention mask", model, **local, attention_mask=mask4d)
+    # and straight at the attention function (e.g. a model that builds its own 4-D mask)
+    q = torch.randn(1, 4, 20, 16)
+    _refuses(r"a custom 4-D attention mask \(1, 1, 20, 20\)", cp_attention_forward,
+             model.model.layers[0].self_attn, q, q[:, :2], q[:, :2], mask4d)
+
+
+def test_refuses_attention_dropout_in_training_only(cp):
+    model = patch(models.tiny_model("llama", attention_dropout=0.1), cp)
+    model.train()
+    _refuses(r"attention dropout in training mode \(p=0.1\)", _run, model, cp, _ids())
+    model.eval()
+    _run(model, cp, _ids())
+
+
+def test_refuses_left_padding_passed_to_the_model(cp):
+    model = patch(models.tiny_model("llama"), cp)
+    ids = _ids(20)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    local = cp.shard_batch({"input_ids": ids})
+    _refuses("left padding or holes in attention_mask", model, **local, attention_mask=mask)
+    with pytest.raises(ValueError, match="left padding"):
+        cp.shard_batch({"input_ids": ids, "attention_mask": mask})
+
+
+def test_refuses_inputs_not_built_by_shard_batch(cp):
+    model = patch(models.tiny_model("llama"), cp)
+    ids = _ids(20)
+    _refuses("uses no position_ids", model, input_ids=ids)
+    _refuses("position_ids that are not this rank's global positions", model, input_ids=ids,
+             position_ids=torch.arange(1, 21)[None])
+    _refuses("labels without shift_labels", model, input_ids=ids, position_ids=torch.arange(20)[None], labels=ids)
+    _refuses(r"a local sequence of 19 tokens", model, input_ids=ids[:, :19], position_ids=torch.arange(19)[None])
+
+
+def test_refuses_decoding_with_a_kv_cache(cp):
+    model = patch(models.tiny_model("llama"), cp)
+    local = cp.shard_batch({"input_ids": _ids(20)})
+    out = model(**local, use_cache=True)
+    _refuses("a filled KV cache", model, input_ids=_ids(1), position_ids=torch.tensor([[20]]),
+             cache=out.cache)
+
+
+def test_refuses_position_dependent_rope_scaling_beyond_its_threshold(cp):
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    model = patch(models.tiny_model("llama", rope_parameters=rope, max_position_embeddings=16), cp)
+    _refuses(r"RoPE scaling 'dynamic' at 20 tokens \(beyond its 16-token threshold\)", _run, model, cp, _ids(20))
+    _run(model, cp, _ids(16))
+
+
+def test_refuses_models_whose_attention_bypasses_the_interface(cp):
+    model = patch(models.tiny_model("llama"), cp)
+    # one layer reads a config that still says "sdpa": its attention bypasses the CP path
+    attn = model.model.layers[1].self_attn
+    attn.config = copy.copy(attn.config)
+    attn.config._attn_implementation_internal = "sdpa"
+    with pytest.raises(RuntimeError, match="only 1 of 2 layers .* NOT context-parallel-exact"):
+        _run(model, cp, _ids())
