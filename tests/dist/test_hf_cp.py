@@ -130,6 +130,39 @@ def _rank_two_groups(rank: int, world_size: int) -> list[tuple]:
     return results
 
 
+def _rank_prefill(rank: int, world_size: int) -> dict[str, float]:
+    """prefill's local logits, logits at chosen positions, span log-probs and gather_positions."""
+    import longdoc
+    from longdoc import models
+    from longdoc.hf.prefill import gather_positions, prefill, span_logprobs, target_logprobs
+
+    cp = longdoc.ContextParallel()
+    errors = {}
+    for arch in ("llama", "qwen2_moe"):
+        batch = {"input_ids": _batch(CASES[2])["input_ids"]}  # batch 2, 43 tokens (not divisible)
+        ref = models.tiny_model(arch, seed=5)(**batch).logits.detach()
+        model = longdoc.patch(models.tiny_model(arch, seed=5), cp)
+        local = prefill(model, cp, batch)
+        padded = -(-43 // cp.multiple) * cp.multiple
+        full = torch.zeros(2, padded, ref.shape[-1])
+        full[:, :43] = ref
+        pos = [42, 0, 17, 30]
+        per_row = torch.tensor([[5, 41], [40, 2]])
+        ids = batch["input_ids"]
+        want_span = torch.log_softmax(ref[:, 35:42], -1).gather(2, ids[:, 36:43, None]).squeeze(2)
+        want_rows = torch.stack([ref[0, [5, 41]], ref[1, [40, 2]]])
+        errors[arch] = max(
+            (local - cp.shard(full, dim=1))[:, cp.shard(torch.arange(padded) < 43, 0)].abs().max(),
+            (prefill(model, cp, batch, positions=pos) - ref[:, pos]).abs().max(),
+            (prefill(model, cp, batch, positions=per_row) - want_rows).abs().max(),
+            (gather_positions(local, cp, pos) - ref[:, pos]).abs().max(),
+            (span_logprobs(model, cp, batch, 36, 43) - want_span).abs().max(),
+            (target_logprobs(model, cp, batch, [42], ids[:, :1]) -
+             torch.log_softmax(ref[:, 42], -1).gather(1, ids[:, :1])).abs().max(),
+        ).item()
+    return errors
+
+
 def _rank_disagree(rank: int, world_size: int) -> str:
     """Rank 1 passes wrong position_ids: every rank must raise (no hang), rank 1 with the reason."""
     import longdoc
@@ -147,6 +180,16 @@ def _rank_disagree(rank: int, world_size: int) -> str:
     return "no error"
 
 
+def _rank_main(rank: int, world_size: int) -> dict:
+    out = {"archs": _rank_archs(rank, world_size)}
+    if world_size == 4:
+        out["groups"] = _rank_two_groups(rank, world_size)
+    else:
+        out["prefill"] = _rank_prefill(rank, world_size)
+        out["disagree"] = _rank_disagree(rank, world_size)  # last: it leaves the ranks after an error
+    return out
+
+
 def _check(results: list[list[tuple]]) -> None:
     bad = []
     for rank_results in results:
@@ -156,22 +199,40 @@ def _check(results: list[list[tuple]]) -> None:
     assert not bad, "CP differs from the single-process reference:\n" + "\n".join(bad)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_tiny_archs_match_single_process(world_size):
-    results = run_ranks(world_size, _rank_archs, deadline=240, pg_timeout=60)
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"cp{n}")
+def ranks(request):
+    """One spawn per world size; the tests below read its per-rank results."""
+    return request.param, run_ranks(request.param, _rank_main, deadline=300, pg_timeout=60)
+
+
+def test_tiny_archs_match_single_process(ranks):
     from longdoc.models import TINY_ARCHS
 
-    archs = {r[0] for r in results[0]}
-    assert archs == set(TINY_ARCHS)
-    assert len(results[0]) == len(TINY_ARCHS) * len(CASES) + 4
-    _check(results)
+    _, results = ranks
+    archs = [r["archs"] for r in results]
+    assert {r[0] for r in archs[0]} == set(TINY_ARCHS)
+    assert len(archs[0]) == len(TINY_ARCHS) * len(CASES) + 4
+    _check(archs)
 
 
-def test_two_patched_models_with_different_groups_do_not_interfere():
-    _check(run_ranks(4, _rank_two_groups, deadline=180, pg_timeout=60))
+def test_two_patched_models_with_different_groups_do_not_interfere(ranks):
+    world_size, results = ranks
+    if world_size != 4:
+        pytest.skip("runs in the 4-rank spawn")
+    _check([r["groups"] for r in results])
 
 
-def test_bad_input_on_one_rank_fails_everywhere():
-    messages = run_ranks(2, _rank_disagree, deadline=120, pg_timeout=60)
-    assert "position_ids that are not this rank's global positions" in messages[1]
-    assert "CP rank 1 rejected" in messages[0]
+def test_prefill_logits_positions_and_span_logprobs(ranks):
+    world_size, results = ranks
+    if world_size != 2:
+        pytest.skip("runs in the 2-rank spawn")
+    for r in results:
+        assert max(r["prefill"].values()) <= LOGITS_TOL, r["prefill"]
+
+
+def test_bad_input_on_one_rank_fails_everywhere(ranks):
+    world_size, results = ranks
+    if world_size != 2:
+        pytest.skip("runs in the 2-rank spawn")
+    assert "position_ids that are not this rank's global positions" in results[1]["disagree"]
+    assert "CP rank 1 rejected" in results[0]["disagree"]
