@@ -1,0 +1,239 @@
+"""Atomic, resumable checkpoints: torch.distributed.checkpoint for model + optimizer, JSON and
+safetensors for the rest (no pickle of ours anywhere).
+
+    OUTPUT/checkpoints/step-00000040/
+        state/            DCP shards of model (trainable params) and optimizer; reshards on load
+        rng-rank00000.*   this rank's RNG streams (safetensors + json)
+        trainer.json      step, scheduler, data fingerprint, layout, recipe: written last
+
+A checkpoint is written under `.step-XXXXXXXX.tmp` and renamed into place only when every rank has
+finished its part, so a folder named `step-*` is complete by construction; a crash mid-write leaves a
+dot-folder that is never read and is swept at the next start. Deletion of old checkpoints renames
+first, for the same reason. The checkpoint folder must be shared by all ranks (one filesystem).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_NAME = re.compile(r"^step-(\d{8})$")
+STATE_FILE = "trainer.json"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used; the message names the folder or file and what to do."""
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    # DCP warns on every save/load without a process group; one process is a supported case here.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _barrier() -> None:
+    if _dist():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _dist() else 0
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every complete checkpoint under root, oldest first."""
+    out = []
+    if root.is_dir():
+        for p in root.iterdir():
+            m = _NAME.match(p.name)
+            if m and p.is_dir() and (p / STATE_FILE).is_file():
+                out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def latest(root: Path) -> Path | None:
+    found = complete_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def sweep(root: Path) -> None:
+    """Remove leftovers of interrupted writes/deletes (rank 0, at start, before anyone writes)."""
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith(".step-") and (p.name.endswith(".tmp") or p.name.endswith(".deleting")):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+# ---- RNG state, per rank, without pickle ----
+
+def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda{i}"] = s
+    version, state, gauss = random.getstate()
+    meta: dict[str, Any] = {"python": [version, list(state), gauss]}
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        tensors["numpy_keys"] = torch.from_numpy(keys.astype("int64"))
+        meta["numpy"] = [kind, int(pos), int(has_gauss), float(cached)]
+    except ImportError:
+        pass
+    return tensors, meta
+
+
+def _set_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    torch.set_rng_state(tensors["torch"])
+    if torch.cuda.is_available():
+        states = [tensors[k] for k in sorted(tensors) if k.startswith("cuda")]
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states)
+    version, state, gauss = meta["python"]
+    random.setstate((version, tuple(state), gauss))
+    if "numpy" in meta and "numpy_keys" in tensors:
+        import numpy as np
+
+        kind, pos, has_gauss, cached = meta["numpy"]
+        np.random.set_state((kind, tensors["numpy_keys"].numpy().astype("uint32"), pos, has_gauss, cached))
+
+
+def _model_optim_state(model, optimizer, frozen_too: bool):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    opts = StateDictOptions(ignore_frozen_params=not frozen_too)
+    msd, osd = get_state_dict(model, optimizer, options=opts)
+    return {"model": msd, "optim": osd}, opts
+
+
+def save(root: Path, step: int, model, optimizer, trainer_state: dict, keep: int,
+         frozen_too: bool = False) -> Path:
+    """Write checkpoint `step` atomically (all ranks call this); keep the newest `keep`."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    final = root / f"step-{step:08d}"
+    tmp = root / f".step-{step:08d}.tmp"
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    _barrier()
+    state, _ = _model_optim_state(model, optimizer, frozen_too)
+    with _single_process_quiet():
+        dcp.save(state, checkpoint_id=str(tmp / "state"))
+    tensors, meta = _rng_state()
+    rank = _rank()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / f"rng-rank{rank:05d}.safetensors"))
+    (tmp / f"rng-rank{rank:05d}.json").write_text(json.dumps(meta))
+    _barrier()
+    if rank == 0:
+        body = json.dumps({"format": FORMAT_VERSION, **trainer_state}, indent=1, default=_json_default)
+        with open(tmp / STATE_FILE, "w") as f:
+            f.write(body)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if final.exists():  # the same step saved again (e.g. `every` hits the last step): replace
+            _delete(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        for _, old in complete_checkpoints(root)[:-keep]:
+            _delete(old)
+    _barrier()
+    return final
+
+
+def _delete(folder: Path) -> None:
+    # rename first: a half-deleted folder must never look like a complete checkpoint
+    trash = folder.with_name(f".{folder.name}.deleting")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.rename(folder, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _json_default(o):
+    if isinstance(o, torch.Tensor):
+        return o.tolist()
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"cannot store {type(o).__name__} in {STATE_FILE}")
+
+
+def read_state(folder: Path) -> dict:
+    path = folder / STATE_FILE
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint file {path} is unreadable ({e}); delete {folder} to resume from "
+                              f"the previous checkpoint") from e
+    if state.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{path} has format {state.get('format')}, this longdoc reads {FORMAT_VERSION}")
+    return state
+
+
+def load(folder: Path, model, optimizer, frozen_too: bool = False) -> dict:
+    """Restore model, optimizer and this rank's RNG from `folder` (all ranks); return trainer state."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = read_state(folder)
+    sd, opts = _model_optim_state(model, optimizer, frozen_too)
+    try:
+        with _single_process_quiet():
+            dcp.load(sd, checkpoint_id=str(folder / "state"))
+    except (Exception, CheckpointException) as e:  # CheckpointException derives from BaseException
+        raise CheckpointError(f"checkpoint {folder / 'state'} could not be loaded: {_short(e)}. If a file there "
+                              f"is truncated or corrupted, delete {folder} to resume from the previous "
+                              f"checkpoint") from None
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=opts)
+    rank = _rank()
+    rng_t, rng_j = folder / f"rng-rank{rank:05d}.safetensors", folder / f"rng-rank{rank:05d}.json"
+    if rng_t.is_file() and rng_j.is_file():
+        try:
+            _set_rng_state(load_file(str(rng_t)), json.loads(rng_j.read_text()))
+        except (OSError, SafetensorError, json.JSONDecodeError, KeyError, ValueError) as e:
+            raise CheckpointError(f"checkpoint RNG file {rng_t} or {rng_j} is unreadable ({e}); delete "
+                                  f"{folder} to resume from the previous checkpoint") from e
+    else:
+        state["rng_restored"] = False  # more ranks than when saved: they keep their fresh seeds
+    return state
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[-1][:500] if text else type(e).__name__

@@ -1,0 +1,290 @@
+"""The training loop: one optimizer step = every micro-batch of every data-parallel replica.
+
+    # 2 CPU processes, cp=2 (the CPU demo):
+    accelerate launch --config_file recipes/accelerate/cpu-2proc.yaml -m longdoc train recipes/cpu-demo.yaml
+    # one node, 8 GPUs:
+    accelerate launch --config_file recipes/accelerate/1node-8gpu.yaml -m longdoc train recipes/legal-32k.yaml
+    # one process, overrides, resume:
+    longdoc train recipes/cpu-demo.yaml cp_size=1 train.steps=4 resume=true
+
+Gradient scaling, exactly: each rank's loss is its SHARE, sum(its token CE) / N, where N is the number
+of loss tokens in the whole optimizer step (all micro-batches, all replicas). The sum of the shares
+over every rank and micro-batch is the step's token-mean loss, and the sum of their gradients is its
+gradient. DDP and FSDP2 AVERAGE gradients over the world (dp x cp ranks), so each share is multiplied
+by the world size before backward: the average of world_size x shares is the sum of shares.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from longdoc.train import checkpoint
+from longdoc.train.config import Recipe, RecipeError
+from longdoc.train.data import StepSchedule, collate, load_sequences, loss_tokens
+from longdoc.train.loss import LossModel, check_head
+from longdoc.train.metrics import JSONLTracker, PeakMemory, Progress, plot_loss
+from longdoc.train.modeling import build, export, trainable_parameters
+from longdoc.train.world import World, start
+
+
+@dataclass
+class StepInfo:
+    step: int  # optimizer steps done (1-based after the update)
+    loss: float  # token-mean loss of the step, all ranks
+    lr: float
+    grad_norm: float
+    tokens: int  # real tokens in the step, all replicas
+    step_s: float
+    peak_gb: float  # this rank
+    peak_gb_max: float  # the largest over all ranks
+    skipped: bool
+    world: World | None = field(default=None, repr=False)
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    steps_done: int
+    history: list[StepInfo]
+    final_dir: Path | None
+    last_checkpoint: Path | None
+    is_main: bool = True
+    world_size: int = 1
+    cp_size: int = 1
+
+    @property
+    def losses(self) -> list[float]:
+        return [s.loss for s in self.history]
+
+    def tokens_per_s(self, skip_first: bool = True) -> float:
+        rows = self.history[1:] if skip_first and len(self.history) > 1 else self.history
+        t = sum(r.step_s for r in rows)
+        return sum(r.tokens for r in rows) / t if t > 0 else 0.0
+
+
+def lr_lambda(recipe: Recipe) -> Callable[[int], float]:
+    """Multiplier of optim.lr after `step` optimizer steps: linear warmup, then cosine/linear/constant."""
+    o, total = recipe.optim, recipe.train.steps
+
+    def f(step: int) -> float:
+        if step < o.warmup_steps:
+            return (step + 1) / (o.warmup_steps + 1)
+        if o.decay == "constant" or total <= o.warmup_steps:
+            return 1.0
+        progress = min(1.0, (step - o.warmup_steps) / max(1, total - o.warmup_steps))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if o.decay == "cosine" else 1 - progress
+        return o.min_lr_ratio + (1 - o.min_lr_ratio) * shape
+
+    return f
+
+
+def _optimizer(model: torch.nn.Module, recipe: Recipe) -> torch.optim.Optimizer:
+    o = recipe.optim
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise RecipeError("nothing to train: every parameter is frozen (check lora.target_modules)")
+    decay = [p for p in params if p.dim() >= 2]  # no weight decay on norms and biases
+    rest = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+
+
+def _check_output(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-probe-{id(out)}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise RecipeError(f"output_dir {out} is not writable ({e}); choose another output_dir=...") from e
+
+
+def _all_reduce(values: list[float], op, device: torch.device) -> list[float]:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def _probe_head(model, world: World, seqs, pad_id: int) -> None:
+    # A short sequence through both the model's own logits and the chunked path (same on all ranks).
+    n = max(8, world.cp.multiple) * 2
+    ids = seqs.input_ids[0][:n]
+    if ids.numel() < n:
+        ids = torch.cat([ids, ids.new_full((n - ids.numel(),), pad_id)])
+    local = world.cp.shard_batch({"input_ids": ids[None]}, pad_token_id=pad_id)
+    check_head(model, local["input_ids"].to(world.device), local["position_ids"].to(world.device))
+
+
+def _resume_checks(state: dict, recipe: Recipe, fingerprint: dict, world: World, say) -> None:
+    saved = state.get("recipe", {})
+    for key, now in (("model.name", recipe.model.name), ("lora.enabled", recipe.lora.enabled),
+                     ("train.batch_size", recipe.train.batch_size), ("seed", recipe.seed)):
+        section, _, name = key.rpartition(".")
+        was = (saved.get(section, {}) if section else saved).get(name)
+        if was != now:
+            raise checkpoint.CheckpointError(
+                f"cannot resume: the checkpoint was made with {key}={was!r}, this recipe has {now!r}; resuming "
+                f"would not continue the same run. Use the original value or a fresh output_dir")
+    if state.get("data") != fingerprint:
+        say(f"warning: the training data differ from the checkpoint's ({state.get('data')} vs {fingerprint}); "
+            f"the data order continues by step number")
+    if state.get("world_size") != world.world_size or state.get("cp_size") != world.cp_size:
+        say(f"resuming a dp={state.get('dp_size')} x cp={state.get('cp_size')} checkpoint on dp={world.dp_size} x "
+            f"cp={world.cp_size}: model and optimizer are resharded by torch.distributed.checkpoint")
+
+
+def train(recipe: Recipe, *, on_step: Callable[[StepInfo], None] | None = None) -> TrainResult:
+    """Run (or resume) the recipe on every launched rank; return the loss history and output paths."""
+    from accelerate.utils import set_seed
+
+    out = Path(recipe.output_dir)
+    ck_root = out / "checkpoints"
+    _check_output(out)
+    resume_dir = checkpoint.latest(ck_root) if recipe.resume else None
+    if not recipe.resume and checkpoint.complete_checkpoints(ck_root):
+        raise RecipeError(f"output_dir {out} already holds checkpoints of a run; continue it with resume=true, "
+                          f"or choose a fresh output_dir")
+    resume_step = checkpoint.read_state(resume_dir)["step"] if resume_dir else None
+    trackers: list = [JSONLTracker(out / "metrics.jsonl", resume_step)]
+    if recipe.log.tensorboard:
+        trackers.append("tensorboard")
+    world = start(recipe, log_with=trackers)
+    acc = world.accelerator
+
+    def say(msg: str) -> None:
+        if world.is_main:
+            progress.write(msg) if progress is not None else print(msg, flush=True)
+
+    progress = None
+    if world.is_main:
+        checkpoint.sweep(ck_root)
+    set_seed(recipe.seed)  # identical on every rank: LoRA init must match a single-process run
+    model, tokenizer = build(recipe.model, recipe.lora, recipe.train, world.cp, recipe.data.seq_len)
+    vocab = model.get_input_embeddings().num_embeddings
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    seqs = load_sequences(recipe.data, tokenizer, vocab, recipe.seed)
+    schedule = StepSchedule(len(seqs), recipe.train.batch_size, recipe.train.micro_batch_size, world.dp_size,
+                            recipe.seed, recipe.data.shuffle)
+    _probe_head(model, world, seqs, pad_id)
+    loss_model = LossModel(model, recipe.train.loss_chunk_tokens)
+    optimizer = _optimizer(loss_model, recipe)
+    loss_model, optimizer = acc.prepare(loss_model, optimizer)
+    raw_optimizer = getattr(optimizer, "optimizer", optimizer)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(raw_optimizer, lr_lambda(recipe))
+    full_state = not recipe.lora.enabled  # LoRA checkpoints hold the adapter only (the base is frozen)
+    start_step, skipped_total = 0, 0
+    if resume_dir is not None:
+        state = checkpoint.read_state(resume_dir)
+        _resume_checks(state, recipe, seqs.fingerprint(), world, say)
+        checkpoint.load(resume_dir, loss_model, raw_optimizer, frozen_too=full_state)
+        scheduler.load_state_dict(state["scheduler"])
+        start_step, skipped_total = int(state["step"]), int(state.get("skipped", 0))
+    elif recipe.resume:
+        say(f"resume=true but {ck_root} holds no complete checkpoint: starting from step 0")
+    if resume_dir is None:
+        set_seed(recipe.seed + 1 + world.rank)  # per-rank streams from here on (LoRA dropout masks)
+
+    if world.is_main:
+        (out / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+    flat = {k: (v if isinstance(v, (int, float, str, bool)) or v is None else str(v)) for k, v in recipe.flat().items()}
+    acc.init_trackers("tensorboard", config=flat)
+    n_train, n_total = trainable_parameters(model)
+    say(f"longdoc train: world {world.world_size} = dp {world.dp_size} x cp {world.cp_size} on {world.device.type}, "
+        f"{schedule.accum} micro-batch(es) of {recipe.train.micro_batch_size} x {recipe.data.seq_len} tokens per "
+        f"replica per step; {len(seqs)} sequences from {seqs.source}; trainable {n_train:,} of {n_total:,} params; "
+        f"mixed precision {world.mixed_precision}")
+    progress = Progress(recipe.train.steps, start_step, recipe.log.progress and world.is_main)
+    peak = PeakMemory(world.device)
+    history: list[StepInfo] = []
+    params = [p for p in loss_model.parameters() if p.requires_grad]
+    last_ckpt, skipped_in_row = checkpoint.latest(ck_root), 0
+    for step in range(start_step, recipe.train.steps):
+        peak.reset()
+        t0 = time.perf_counter()
+        step_idx = schedule.step_indices(step)
+        n_loss = loss_tokens(seqs, step_idx)  # the whole step, every replica: the share's denominator
+        micro = schedule.micro_batches(step, world.dp_rank)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for m, idx in enumerate(micro):
+            local = world.cp.shard_batch(collate(seqs, idx, pad_id), pad_token_id=pad_id)
+            sync = contextlib.nullcontext() if m == len(micro) - 1 else acc.no_sync(loss_model)
+            with sync:
+                share, _ = loss_model(local["input_ids"].to(world.device), local["position_ids"].to(world.device),
+                                      local["shift_labels"].to(world.device), n_loss)
+                acc.backward(share * world.world_size)  # undo DDP/FSDP's average over the world (docstring)
+            loss_sum += share.detach().double().cpu()
+        grad_norm = acc.clip_grad_norm_(params, recipe.optim.max_grad_norm or float("inf"))
+        grad_norm = float(grad_norm) if grad_norm is not None else 0.0
+        (loss,) = _all_reduce([float(loss_sum)], dist.ReduceOp.SUM, world.device)
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if finite:
+            optimizer.step()
+            skipped_in_row = 0
+        else:
+            skipped_total += 1
+            skipped_in_row += 1
+            if recipe.train.on_nonfinite == "abort" or skipped_in_row > recipe.train.max_skipped_steps:
+                raise FloatingPointError(
+                    f"step {step + 1}: loss {loss} / gradient norm {grad_norm} is not finite"
+                    + ("" if recipe.train.on_nonfinite == "abort" else
+                       f" for {skipped_in_row} steps in a row (train.max_skipped_steps)")
+                    + "; lower optim.lr, check the data, or use fp32 (model.dtype=float32)")
+            say(f"warning: step {step + 1} skipped: non-finite loss {loss} or gradient norm {grad_norm} "
+                f"({skipped_total} skipped so far)")
+        optimizer.zero_grad(set_to_none=True)
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()
+        step_s = time.perf_counter() - t0
+        tokens = sum(int(seqs.input_ids[i].numel()) for i in step_idx)
+        mine = peak.peak_gb()
+        (peak_max,) = _all_reduce([mine], dist.ReduceOp.MAX, world.device)
+        info = StepInfo(step + 1, loss, lr, grad_norm, tokens, step_s, mine, peak_max, not finite, world)
+        history.append(info)
+        progress.update(loss, tokens / step_s, step_s, peak_max, lr)
+        if (step + 1) % recipe.log.every == 0 or step + 1 == recipe.train.steps:
+            acc.log({"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
+                     "tokens_per_s": tokens / step_s, "step_s": step_s, "peak_gb": mine, "peak_gb_max": peak_max,
+                     "epoch": schedule.epoch(step + 1), "skipped": skipped_total}, step=step + 1)
+        if on_step is not None:
+            on_step(info)
+        every = recipe.checkpoint.every
+        is_last = step + 1 == recipe.train.steps
+        if (every and (step + 1) % every == 0) or (is_last and recipe.checkpoint.at_end):
+            last_ckpt = checkpoint.save(
+                ck_root, step + 1, loss_model, raw_optimizer,
+                {"step": step + 1, "scheduler": scheduler.state_dict(), "skipped": skipped_total,
+                 "world_size": world.world_size, "dp_size": world.dp_size, "cp_size": world.cp_size,
+                 "data": seqs.fingerprint(), "loss": loss, "recipe": recipe.to_dict()},
+                keep=recipe.checkpoint.keep, frozen_too=full_state)
+    progress.close()
+    final_dir = None
+    if recipe.checkpoint.export and recipe.train.steps > start_step:
+        final_dir = _export(acc, world, loss_model, tokenizer, out / "final", recipe)
+    acc.end_training()
+    if world.is_main and recipe.log.plot and (out / "metrics.jsonl").is_file():
+        plot_loss(out / "metrics.jsonl", out / "loss.png", f"{recipe.model.name}: {Path(out).name}")
+    return TrainResult(out, recipe.train.steps, history, final_dir, last_ckpt, world.is_main, world.world_size,
+                       world.cp_size)
+
+
+def _export(acc, world: World, loss_model, tokenizer, out: Path, recipe: Recipe) -> Path:
+    state_dict = None
+    if recipe.train.fsdp:
+        full = acc.get_state_dict(loss_model)  # collective: every rank takes part
+        state_dict = {k.removeprefix("model."): v for k, v in (full or {}).items()}
+    if world.is_main:
+        inner = acc.unwrap_model(loss_model).model
+        export(inner, tokenizer, out, recipe.lora.merge_on_export, state_dict)
+    acc.wait_for_everyone()
+    return out

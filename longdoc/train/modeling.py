@@ -1,0 +1,150 @@
+"""The model a recipe trains: load, extend RoPE, add LoRA, checkpoint activations, patch for CP, export.
+
+    model, tokenizer = build(recipe.model, recipe.lora, recipe.train, cp)
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from longdoc.train.config import LoraConfig, ModelConfig, RecipeError, TrainConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def rope_parameters(config, cfg: ModelConfig) -> tuple[dict, int]:
+    """(rope_parameters, max_position_embeddings) of `config` extended as the recipe asks."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    params = dict(getattr(text, "rope_parameters", None) or {})
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise RecipeError("model.rope_type: this model has per-layer-type RoPE parameters; extend its context "
+                          "by editing its config instead")
+    original = int(text.max_position_embeddings)
+    if params.get("rope_type", "default") not in ("default", None):
+        raise RecipeError(f"model.rope_type: the model already uses {params['rope_type']!r} RoPE scaling; "
+                          f"stacking another is not supported (unset model.rope_type)")
+    new_max = cfg.max_position_embeddings or int(round(original * cfg.rope_factor))
+    params.update(rope_type=cfg.rope_type, factor=float(cfg.rope_factor))
+    if cfg.rope_type == "yarn":
+        params["original_max_position_embeddings"] = original
+    return params, new_max
+
+
+def build(mcfg: ModelConfig, lcfg: LoraConfig, tcfg: TrainConfig, cp, seq_len: int):
+    """(model, tokenizer): loaded, RoPE-extended, LoRA-wrapped, checkpointed and CP-patched; train mode."""
+    import longdoc
+    from longdoc import models
+
+    dtype = _DTYPES[mcfg.dtype]
+    kwargs: dict = {}
+    tiny = mcfg.name.startswith(models.TINY_PREFIX)
+    if tiny:
+        kwargs.update(mcfg.overrides)
+    elif mcfg.overrides:
+        raise RecipeError("model.overrides applies to tiny:<arch> models only; for a real model, edit a copy of "
+                          "its config.json")
+    if mcfg.rope_type is not None:
+        config = models.load_config(mcfg.name, trust_remote_code=mcfg.trust_remote_code)
+        if tiny:
+            config = models.tiny_config(mcfg.name[len(models.TINY_PREFIX):], **{**_ids(config), **kwargs})
+        params, new_max = rope_parameters(config, mcfg)
+        if tiny:
+            kwargs.update(rope_parameters=params, max_position_embeddings=new_max)
+        else:
+            config = copy.deepcopy(config)
+            config.rope_parameters = params
+            config.max_position_embeddings = new_max
+            kwargs["config"] = config
+    model, tokenizer = models.load(mcfg.name, dtype=dtype, trust_remote_code=mcfg.trust_remote_code, **kwargs)
+    limit = int(model.config.get_text_config().max_position_embeddings)
+    if seq_len > limit:
+        raise RecipeError(f"data.seq_len={seq_len} exceeds the model's context ({limit} tokens); extend it with "
+                          f"model.rope_type=yarn model.rope_factor={_factor(seq_len, limit)}, or shorten data.seq_len")
+    model.config.use_cache = False
+    if tcfg.activation_checkpointing:
+        # Non-reentrant: works with frozen inputs (LoRA), keyword arguments and the CP autograd Functions.
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if lcfg.enabled:
+        if tcfg.fsdp:
+            raise RecipeError("lora.enabled with train.fsdp is not supported: a LoRA run keeps the frozen base "
+                              "replicated (DDP); set train.fsdp=false or lora.enabled=false")
+        model = _add_lora(model, lcfg)
+    longdoc.patch(model, cp, strategy=tcfg.strategy)
+    model.train()
+    return model, tokenizer
+
+
+def _ids(config) -> dict:
+    return {k: getattr(config, k) for k in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")
+            if getattr(config, k, None) is not None}
+
+
+def _factor(seq_len: int, limit: int) -> float:
+    f = 1.0
+    while limit * f < seq_len:
+        f *= 2
+    return f
+
+
+def _add_lora(model, lcfg: LoraConfig):
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    missing = [t for t in lcfg.target_modules if t not in names]
+    if missing:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise RecipeError(f"lora.target_modules: {missing} not found in {type(model).__name__}; its linear "
+                          f"layers are {linear}")
+    peft_cfg = PeftLoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
+                              target_modules=list(lcfg.target_modules), task_type="CAUSAL_LM", bias="none")
+    return get_peft_model(model, peft_cfg)
+
+
+def trainable_parameters(model) -> tuple[int, int]:
+    total = sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in model.parameters() if p.requires_grad), total
+
+
+def export(model, tokenizer, out: Path, merge_lora: bool, state_dict: dict | None = None) -> Path:
+    """Write a `save_pretrained` safetensors model (or LoRA adapter) to `out` atomically (rank 0 only).
+
+    `model` is the unwrapped (peft or transformers) model; it is unpatched here, so the folder loads
+    with plain transformers. `state_dict` is the gathered full state dict of an FSDP run.
+    """
+    from longdoc.hf import unpatch
+
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    unpatch(model)
+    is_peft = hasattr(model, "get_base_model")
+    if is_peft and merge_lora:
+        model = model.merge_and_unload()
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if hasattr(base, "activation_checkpointing_disable"):
+        base.activation_checkpointing_disable()
+    elif getattr(base, "is_gradient_checkpointing", False):
+        base.gradient_checkpointing_disable()
+    base.config.use_cache = True
+    if state_dict is not None:
+        model.save_pretrained(tmp, state_dict=state_dict)
+    else:
+        model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if out.exists():
+        old = out.with_name(f".{out.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(out, old)
+        shutil.rmtree(old, ignore_errors=True)
+    os.rename(tmp, out)
+    return out

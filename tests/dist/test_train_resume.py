@@ -1,0 +1,73 @@
+"""Kill a cp=2 run while it writes a checkpoint, resume: the loss trajectory continues exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.dist.test_train import _accelerate_env, tiny_recipe
+from tests.distributed import run_ranks
+
+
+def train_until_killed(rank: int, world_size: int, recipe: dict, overrides: list[str], kill_at: str, pids: str):
+    """Train; when rank 0 is about to rename `kill_at` into place, SIGKILL every rank (the whole job)."""
+    _accelerate_env(rank, world_size)
+    Path(pids, f"{rank}.pid").write_text(str(os.getpid()))
+    from longdoc.train import checkpoint, recipe_from_dict
+    from longdoc.train.loop import train
+
+    rename = os.rename
+
+    def killing_rename(src, dst):
+        if Path(src).name == kill_at:
+            for f in Path(pids).glob("*.pid"):
+                if int(f.read_text()) != os.getpid():
+                    os.kill(int(f.read_text()), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return rename(src, dst)
+
+    checkpoint.os.rename = killing_rename
+    train(recipe_from_dict(recipe, overrides))
+    return "finished without being killed"
+
+
+def train_history(rank: int, world_size: int, recipe: dict, overrides: list[str]):
+    _accelerate_env(rank, world_size)
+    from longdoc.train import recipe_from_dict
+    from longdoc.train.loop import train
+
+    return [(s.step, s.loss) for s in train(recipe_from_dict(recipe, overrides)).history]
+
+
+def test_resume_after_kill_continues_exactly(tmp_path):
+    overrides = ["cp_size=2", "train.steps=8", "checkpoint.every=2", "checkpoint.keep=2", "checkpoint.export=false"]
+    full = run_ranks(2, train_history, tiny_recipe(tmp_path / "full"), overrides)[0]
+    assert [s for s, _ in full] == list(range(1, 9))
+
+    run = tmp_path / "killed"
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    with pytest.raises(AssertionError, match="gave no result"):
+        run_ranks(2, train_until_killed, tiny_recipe(run), overrides, ".step-00000006.tmp", str(pids), deadline=200)
+    ck = run / "checkpoints"
+    names = sorted(p.name for p in ck.iterdir())
+    assert names == [".step-00000006.tmp", "step-00000002", "step-00000004"], names
+    # a folder that looks like a checkpoint but has no trainer state (e.g. a partial copy) is never used
+    (ck / "step-00000008" / "state").mkdir(parents=True)
+
+    resumed = run_ranks(2, train_history, tiny_recipe(run), overrides + ["resume=true"])
+    for hist in resumed:
+        assert [s for s, _ in hist] == [5, 6, 7, 8]
+        for (s, loss), (s_full, loss_full) in zip(hist, full[4:], strict=True):
+            assert s == s_full
+            assert loss == pytest.approx(loss_full, abs=1e-6, rel=0), (s, loss, loss_full)
+    # the metrics file is one trajectory: steps 1..8 once each, equal to the uninterrupted run
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == list(range(1, 9))
+    assert [r["loss"] for r in logged] == pytest.approx([loss for _, loss in full], abs=1e-6, rel=0)
+    assert not (ck / ".step-00000006.tmp").exists()  # swept at the resumed start
+    assert (ck / "step-00000008" / "trainer.json").is_file()  # rewritten complete by the resumed run

@@ -1,0 +1,85 @@
+"""Recipes: typed loading, overrides, errors that name the key and the fix; launch-layout checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from longdoc.train.config import RecipeError, load_recipe, recipe_from_dict
+from longdoc.train.world import check_layout
+
+RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
+
+
+def test_defaults_and_dotted_overrides():
+    r = recipe_from_dict({"data": {"path": "random"}},
+                         ["train.steps=7", "cp_size=2", "optim.lr=1e-4", "lora.target_modules=q_proj,v_proj",
+                          "resume=true", "model.overrides.num_hidden_layers=3", "optim.max_grad_norm=null"])
+    assert (r.train.steps, r.cp_size, r.resume) == (7, 2, True)
+    assert r.optim.lr == 1e-4 and isinstance(r.optim.lr, float)  # YAML reads "1e-4" as a string
+    assert r.lora.target_modules == ["q_proj", "v_proj"]
+    assert r.model.overrides == {"num_hidden_layers": 3}
+    assert r.optim.max_grad_norm is None
+    assert r.flat()["train.steps"] == 7
+
+
+@pytest.mark.parametrize("data, overrides, match", [
+    ({"data": {"path": "random"}, "trian": {}}, [], r"unknown recipe key trian \(did you mean train\?\).*output_dir"),
+    ({"data": {"path": "random"}}, ["checkpoint.evry=5"], r"checkpoint.evry.*did you mean checkpoint.every.*keep"),
+    ({"data": {"path": "random"}}, ["train.steps=many"], r"train.steps: must be an integer, got 'many'"),
+    ({"data": {"path": "random"}}, ["train.layout=zz"], r"train.layout: must be one of \('zigzag', 'contiguous'\)"),
+    ({"data": {"path": "random"}}, ["cp_size=0"], r"cp_size: must be >= 1"),
+    ({"data": {"path": "random"}}, ["model.rope_type=dynamic"], r"model.rope_type.*'dynamic' NTK is refused"),
+    ({"data": {"path": "random"}}, ["train.batch_size=3", "train.micro_batch_size=2"], r"multiple of"),
+    ({"data": {"path": "random"}}, ["lora.enabled=maybe"], r"lora.enabled: must be true or false"),
+    ({}, [], r"data.path: name a jsonl"),
+    ({"data": {"path": "random"}}, ["steps"], r"must look like key=value"),
+    ({"data": {"path": "random"}}, ["train=3"], r"train: must be a section"),
+])
+def test_bad_recipes_fail_with_the_key_and_the_fix(data, overrides, match):
+    with pytest.raises(RecipeError, match=match):
+        recipe_from_dict(data, overrides)
+
+
+def test_missing_recipe_file(tmp_path):
+    with pytest.raises(RecipeError, match="does not exist"):
+        load_recipe(tmp_path / "nope.yaml")
+    (tmp_path / "bad.yaml").write_text("- a\n- b\n")
+    with pytest.raises(RecipeError, match="mapping"):
+        load_recipe(tmp_path / "bad.yaml")
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
+def test_shipped_recipes_load_and_say_how_to_launch(path):
+    recipe = load_recipe(path)
+    header = path.read_text().split("\n\n", 1)[0]
+    assert "accelerate launch" in header or "longdoc train" in header
+    assert recipe.data.seq_len >= 4096
+
+
+def test_launch_layout_checks(monkeypatch):
+    r = recipe_from_dict({"data": {"path": "random"}}, ["cp_size=2", "train.batch_size=2"])
+    assert check_layout(r, 4, cuda=False) == (2, 2)
+    assert check_layout(r, 2, cuda=False) == (1, 2)
+    with pytest.raises(RecipeError, match=r"cp_size=2 must divide the number of processes \(3\)"):
+        check_layout(r, 3, cuda=False)
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    with pytest.raises(RecipeError, match=r"needs at least 2 processes.*use_cpu.*--multi_gpu --num_processes"):
+        check_layout(r, 1, cuda=False)
+    r3 = recipe_from_dict({"data": {"path": "random"}}, ["cp_size=1", "train.batch_size=3"])
+    with pytest.raises(RecipeError, match=r"batch_size=3 must be a multiple"):
+        check_layout(r3, 2, cuda=False)
+    with pytest.raises(RecipeError, match="fsdp=true needs CUDA"):
+        check_layout(recipe_from_dict({"data": {"path": "random"}}, ["train.fsdp=true"]), 1, cuda=False)
+
+
+def test_cli_print_and_error_exit_codes(capsys, tmp_path):
+    from longdoc.cli import main
+
+    rec = tmp_path / "r.yaml"
+    rec.write_text("data: {path: random}\ntrain: {steps: 2}\n")
+    assert main(["train", str(rec), "cp_size=2", "--print"]) == 0
+    assert "cp_size: 2" in capsys.readouterr().out
+    assert main(["train", str(rec), "train.stepz=3"]) == 2
+    assert "did you mean train.steps" in capsys.readouterr().err
