@@ -1,0 +1,222 @@
+"""`longdoc verify`: one CP forward+backward of YOUR model against a single-process reference.
+
+    longdoc verify --model SmolLM2-135M-Instruct --cp 2 --seq-len 2048
+    longdoc verify --model tiny:qwen3 --cp 4 --seq-len 1000 --dtype bfloat16 --strategy allgather
+    longdoc verify --model path/to/config.json --cp 2 --seq-len 4096        # random init from a config
+
+It spawns --cp gloo ranks on this machine's CPUs (or, started by `torchrun` / `accelerate launch
+--multi_gpu --num_processes N`, joins their group), runs the patched model on a random batch with
+cp.shard_batch, then the unpatched model on the full batch in every rank, and prints the largest
+errors of the logits, the loss (sum of the rank shares) and the gradients (summed over ranks), with a
+PASS/FAIL verdict against dtype-based tolerances; the exit status is 1 on FAIL. Models run in eval mode
+(no dropout), gradients still flow. For bfloat16/float16, both the CP run and the single-process run in
+that dtype are compared with a float64 reference: CP passes when it is no worse than 2x the
+single-process rounding error (plus a small floor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+
+_TOLERANCES = {  # (logits: max abs err / max |logit|, loss: abs err, grads: max over tensors of max abs err / max |g|)
+    "float64": (1e-9, 1e-9, 1e-8),
+    "float32": (1e-4, 1e-4, 1e-3),
+}
+_LOW_PRECISION_FLOOR = {"bfloat16": (5e-3, 5e-3, 1e-2), "float16": (1e-3, 1e-3, 2e-3)}
+
+
+@dataclass(frozen=True)
+class Spec:
+    model: str
+    cp: int
+    seq_len: int
+    batch_size: int = 1
+    dtype: str = "float32"
+    layout: str = "zigzag"
+    strategy: str = "ring"
+    seed: int = 0
+    timeout: float = 600.0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("verify", help="check CP against a single-process run on your model (PASS/FAIL)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True,
+                   help="model name/folder/hub id, 'tiny:<arch>' or a config.json (random init)")
+    p.add_argument("--cp", type=int, required=True, help="context-parallel ranks")
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence (any length)")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
+    p.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
+    p.add_argument("--strategy", default="ring", choices=["ring", "allgather"])
+    p.add_argument("--seed", type=int, default=0, help="seed of the random tokens (and of random init)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / cp)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds any collective may wait")
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    if args.cp < 1 or args.seq_len < 2 or args.batch_size < 1:
+        raise SystemExit("longdoc verify: need --cp >= 1, --seq-len >= 2 and --batch-size >= 1")
+    spec = Spec(args.model, args.cp, args.seq_len, args.batch_size, args.dtype, args.layout, args.strategy,
+                args.seed, args.timeout)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun / accelerate launch
+        return _main_launched(spec)
+    from longdoc.spawn import run_local
+
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.cp)
+    print(f"longdoc verify: {args.model}, cp={args.cp} ({args.layout}, {args.strategy}), "
+          f"{args.batch_size}x{args.seq_len} tokens, {args.dtype}, {threads} thread(s) per rank", flush=True)
+    results = run_local(args.cp, _rank, spec, deadline=4 * args.timeout + 600, pg_timeout=args.timeout,
+                        threads=threads)
+    return _report(spec, results[0])
+
+
+def _main_launched(spec: Spec) -> int:
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=spec.timeout))
+    try:
+        if dist.get_world_size() != spec.cp:
+            raise SystemExit(f"longdoc verify: --cp {spec.cp} but the launcher started {dist.get_world_size()} "
+                             f"processes; pass --cp {dist.get_world_size()}")
+        result = _rank(dist.get_rank(), dist.get_world_size(), spec)
+        return _report(spec, result) if dist.get_rank() == 0 else 0
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- one rank ----
+
+def _load(spec: Spec, dtype):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from longdoc import models
+
+    if spec.model.startswith(models.TINY_PREFIX):
+        return models.tiny_model(spec.model[len(models.TINY_PREFIX):], seed=spec.seed, dtype=dtype)
+    if spec.model.endswith(".json") and os.path.isfile(spec.model):
+        config = models.load_config(spec.model)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(spec.seed)  # every rank must build the same random weights
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        return model.to(dtype)
+    return models.load(spec.model, dtype=dtype)[0]
+
+
+def _step(model, batch: dict):
+    """Forward + backward; returns (logits, loss, {name: grad}) detached."""
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    out.loss.backward()
+    grads = {n: p.grad.detach() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach(), out.loss.detach(), grads
+
+
+def _errors(logits, loss, grads, ref_logits, ref_loss, ref_grads, keep) -> list[float]:
+    """[logits max abs err, logits err / max |ref logit|, loss abs err, grads max normalized err] on this rank."""
+    d = (logits.double() - ref_logits.double())[:, keep].abs()
+    scale = ref_logits.double()[:, keep].abs().max().clamp_min(1e-30)
+    logit_abs = d.max().item() if d.numel() else 0.0
+    grad_rel = 0.0
+    for name, g in ref_grads.items():
+        mine = grads.get(name)
+        diff = (g.double() if mine is None else mine.double() - g.double()).abs().max()
+        grad_rel = max(grad_rel, (diff / g.double().abs().max().clamp_min(1e-30)).item())
+    return [logit_abs, logit_abs / scale.item(), abs(loss.item() - ref_loss.item()), grad_rel]
+
+
+def _rank(rank: int, world_size: int, spec: Spec) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    import longdoc
+    from longdoc.hf import patch, unpatch
+
+    dtype = getattr(torch, spec.dtype)
+    model = _load(spec, dtype).eval()  # eval: no dropout anywhere; gradients still flow
+    vocab = model.get_input_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(spec.seed)
+    ids = torch.randint(0, vocab, (spec.batch_size, spec.seq_len), generator=g)
+    full = {"input_ids": ids, "labels": ids}
+    cp = longdoc.ContextParallel(layout=spec.layout, timeout=spec.timeout)
+
+    patch(model, cp, strategy=spec.strategy)
+    local = cp.shard_batch(full)
+    logits, loss, grads = _step(model, local)
+    unpatch(model)
+    loss = loss.double()
+    if cp.size > 1:
+        dist.all_reduce(loss, group=cp.group)
+        for t in grads.values():
+            dist.all_reduce(t, group=cp.group)
+    padded = local["input_ids"].shape[1] * cp.size
+    keep = cp.shard(torch.arange(padded) < spec.seq_len, dim=0)
+
+    def shard(ref_logits):
+        out = ref_logits.new_zeros((spec.batch_size, padded, ref_logits.shape[-1]))
+        out[:, : spec.seq_len] = ref_logits
+        return cp.shard(out, dim=1)
+
+    ref_logits, ref_loss, ref_grads = _step(model, full)
+    result = {"cp_vs_single": _errors(logits, loss, grads, shard(ref_logits), ref_loss, ref_grads, keep)}
+    if spec.dtype in _LOW_PRECISION_FLOOR:
+        single = (shard(ref_logits), ref_loss, ref_grads)
+        hi_logits, hi_loss, hi_grads = _step(model.to(torch.float64), full)
+        hi = (shard(hi_logits), hi_loss, hi_grads)
+        result["cp_vs_fp64"] = _errors(logits, loss, grads, *hi, keep)
+        result["single_vs_fp64"] = _errors(*single, *hi, keep)
+    result["loss"] = (loss.item(), ref_loss.item())
+    if cp.size > 1:  # the worst error over the ranks' shards
+        for key in ("cp_vs_single", "cp_vs_fp64", "single_vs_fp64"):
+            if key in result:
+                t = torch.tensor(result[key], dtype=torch.float64)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cp.group)
+                result[key] = t.tolist()
+    return result
+
+
+# ---- verdict ----
+
+_ROWS = ("logits max abs err", "logits err / max |logit|", "loss abs err", "grads max rel err")
+
+
+def verdict(spec: Spec, result: dict) -> tuple[bool, list[tuple[str, float, float]]]:
+    """(passed, [(check, error, tolerance)]) for the three judged quantities."""
+    judged = [1, 2, 3]  # rows: logits relative, loss, grads
+    if spec.dtype in _TOLERANCES:
+        tol = _TOLERANCES[spec.dtype]
+        errs = [result["cp_vs_single"][i] for i in judged]
+    else:
+        floor = _LOW_PRECISION_FLOOR[spec.dtype]
+        errs = [result["cp_vs_fp64"][i] for i in judged]
+        tol = [2 * result["single_vs_fp64"][i] + f for i, f in zip(judged, floor)]
+    rows = [(_ROWS[i], e, t) for i, e, t in zip(judged, errs, tol)]
+    return all(e <= t for _, e, t in rows), rows
+
+
+def _report(spec: Spec, result: dict) -> int:
+    passed, rows = verdict(spec, result)
+    cp_loss, ref_loss = result["loss"]
+    print(f"\nloss: CP (sum of {spec.cp} shares) {cp_loss:.8f}   single process {ref_loss:.8f}")
+    print(f"{'':28s}{'CP vs single':>15s}" + (f"{'CP vs fp64':>15s}{'single vs fp64':>16s}"
+                                              if "cp_vs_fp64" in result else ""))
+    for i, name in enumerate(_ROWS):
+        line = f"{name:28s}{result['cp_vs_single'][i]:15.3e}"
+        if "cp_vs_fp64" in result:
+            line += f"{result['cp_vs_fp64'][i]:15.3e}{result['single_vs_fp64'][i]:16.3e}"
+        print(line)
+    basis = "CP vs single" if spec.dtype in _TOLERANCES else "CP vs fp64, tolerance 2x single vs fp64 + floor"
+    print(f"\nchecks ({spec.dtype}, {basis}):")
+    for name, err, tol in rows:
+        print(f"  {name:28s}{err:11.3e}  <= {tol:9.3e}  {'ok' if err <= tol else 'FAIL'}")
+    print(f"\n{'PASS' if passed else 'FAIL'}: {spec.model} under CP={spec.cp} "
+          f"{'matches' if passed else 'does NOT match'} the single-process run")
+    sys.stdout.flush()
+    return 0 if passed else 1
