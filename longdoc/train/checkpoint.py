@@ -94,6 +94,13 @@ def sweep(root: Path) -> None:
                 shutil.rmtree(p, ignore_errors=True)
 
 
+def remove_all(root: Path) -> None:
+    """Delete every checkpoint under root (overwrite=true), newest first so none is left half-deleted."""
+    for _, folder in reversed(complete_checkpoints(root)):
+        _delete(folder)
+    sweep(root)
+
+
 # ---- RNG state, per rank, without pickle ----
 
 def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -77,7 +77,8 @@ class LoraConfig:
 class DataConfig:
     path: str = ""  # jsonl of documents/windows (from `longdoc data synth`), a folder, or "random"
     seq_len: int = 4096  # tokens per training sequence (window), before CP sharding
-    text_field: str = "text"
+    task: str = "qa"  # for raw documents: "qa" (document + question -> answer, loss on answers) | "pretrain"
+    text_field: str = "document"  # the documents' text field (`longdoc data synth` writes "document")
     max_sequences: int | None = None  # use only the first N windows (quick runs)
     shuffle: bool = True
     random_size: int = 64  # number of sequences when path == "random" (benchmarks, tests)
@@ -85,6 +86,7 @@ class DataConfig:
     def __post_init__(self):
         _check(bool(self.path), "data.path", "name a jsonl file or folder (make one with `longdoc data synth "
                "--domain legal`), or 'random' for random tokens")
+        _check(self.task in ("qa", "pretrain"), "data.task", f"must be 'qa' or 'pretrain', got {self.task!r}")
         _check(self.seq_len >= 2, "data.seq_len", f"must be at least 2 tokens, got {self.seq_len}")
         _check(self.max_sequences is None or self.max_sequences > 0, "data.max_sequences", "must be positive")
         _check(self.random_size > 0, "data.random_size", "must be positive")
@@ -175,6 +177,7 @@ class Recipe:
     output_dir: str = "runs/default"
     cp_size: int = 1  # context-parallel group size; world = dp x cp
     resume: bool = False  # continue from the latest complete checkpoint in OUTPUT/checkpoints
+    overwrite: bool = False  # start over in an output_dir that holds another run's checkpoints (deletes them)
     seed: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -187,6 +190,7 @@ class Recipe:
     def __post_init__(self):
         _check(bool(self.output_dir), "output_dir", "must name a folder for checkpoints, logs and the model")
         _check(self.cp_size >= 1, "cp_size", f"must be >= 1, got {self.cp_size}")
+        _check(not (self.resume and self.overwrite), "overwrite", "cannot be combined with resume=true")
         _check(self.optim.warmup_steps <= self.train.steps, "optim.warmup_steps",
                f"({self.optim.warmup_steps}) exceeds train.steps ({self.train.steps})")
 

@@ -152,9 +152,9 @@ def train(recipe: Recipe, *, on_step: Callable[[StepInfo], None] | None = None) 
     ck_root = out / "checkpoints"
     _check_output(out)
     resume_dir = checkpoint.latest(ck_root) if recipe.resume else None
-    if not recipe.resume and checkpoint.complete_checkpoints(ck_root):
+    if not (recipe.resume or recipe.overwrite) and checkpoint.complete_checkpoints(ck_root):
         raise RecipeError(f"output_dir {out} already holds checkpoints of a run; continue it with resume=true, "
-                          f"or choose a fresh output_dir")
+                          f"start over with overwrite=true, or choose a fresh output_dir")
     resume_step = checkpoint.read_state(resume_dir)["step"] if resume_dir else None
     trackers: list = [JSONLTracker(out / "metrics.jsonl", resume_step)]
     if recipe.log.tensorboard:
@@ -163,12 +163,19 @@ def train(recipe: Recipe, *, on_step: Callable[[StepInfo], None] | None = None) 
     acc = world.accelerator
 
     def say(msg: str) -> None:
-        if world.is_main:
-            progress.write(msg) if progress is not None else print(msg, flush=True)
+        if not world.is_main:
+            return
+        if progress is not None:
+            progress.write(msg)  # above the bar, not through it
+        else:
+            print(msg, flush=True)
 
     progress = None
     if world.is_main:
+        if recipe.overwrite:
+            checkpoint.remove_all(ck_root)
         checkpoint.sweep(ck_root)
+    acc.wait_for_everyone()
     set_seed(recipe.seed)  # identical on every rank: LoRA init must match a single-process run
     model, tokenizer = build(recipe.model, recipe.lora, recipe.train, world.cp, recipe.data.seq_len)
     vocab = model.get_input_embeddings().num_embeddings

@@ -5,9 +5,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -107,7 +109,16 @@ def _add_lora(model, lcfg: LoraConfig):
                           f"layers are {linear}")
     peft_cfg = PeftLoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
                               target_modules=list(lcfg.target_modules), task_type="CAUSAL_LM", bias="none")
-    return get_peft_model(model, peft_cfg)
+    with _quiet_deprecations():
+        return get_peft_model(model, peft_cfg)
+
+
+@contextlib.contextmanager
+def _quiet_deprecations():
+    # peft still calls transformers' pre-5 `is_gradient_checkpointing`; the warning is not the user's to fix.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
 
 
 def trainable_parameters(model) -> tuple[int, int]:
@@ -129,7 +140,8 @@ def export(model, tokenizer, out: Path, merge_lora: bool, state_dict: dict | Non
     unpatch(model)
     is_peft = hasattr(model, "get_base_model")
     if is_peft and merge_lora:
-        model = model.merge_and_unload()
+        with _quiet_deprecations():
+            model = model.merge_and_unload()
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if hasattr(base, "activation_checkpointing_disable"):
         base.activation_checkpointing_disable()

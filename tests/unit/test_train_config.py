@@ -83,3 +83,37 @@ def test_cli_print_and_error_exit_codes(capsys, tmp_path):
     assert "cp_size: 2" in capsys.readouterr().out
     assert main(["train", str(rec), "train.stepz=3"]) == 2
     assert "did you mean train.steps" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
+def test_recipe_fits_the_launch_its_header_names(path):
+    """The accelerate config named in the header gives a world the recipe's cp_size and batch fit."""
+    import re
+
+    import yaml
+
+    header = path.read_text().split("\n\n", 1)[0]
+    launch = re.search(r"--config_file (\S+)", header)
+    assert launch, f"{path.name}: the header must show an `accelerate launch --config_file ...` command"
+    cfg = yaml.safe_load((path.parents[1] / launch.group(1)).read_text())
+    recipe = load_recipe(path)
+    cuda = "cpu" not in launch.group(1)
+    assert recipe.train.fsdp == cuda  # GPU recipes shard with FSDP2; the CPU demo replicates (DDP)
+    check_layout(recipe, int(cfg["num_processes"]), cuda=cuda)
+    assert f"recipes/{path.name}" in header
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
+def test_recipe_sequences_fit_the_extended_context(path):
+    from longdoc import models
+    from longdoc.train.modeling import rope_parameters
+
+    recipe = load_recipe(path)
+    if recipe.model.name != models.DEFAULT_MODEL:
+        pytest.skip("hub model: its config is not available offline")
+    config = models.load_config(recipe.model.name)
+    limit = config.max_position_embeddings
+    if recipe.model.rope_type:
+        params, limit = rope_parameters(config, recipe.model)
+        assert params["rope_type"] == recipe.model.rope_type and params["factor"] == recipe.model.rope_factor
+    assert recipe.data.seq_len <= limit
