@@ -8,6 +8,9 @@ import os
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from longdoc.bench import plan_cli
+
+    plan_cli.add_parser(sub)  # `longdoc plan` lives with the benchmarks that calibrate it
     p = sub.add_parser("bench", help="run benchmarks (markdown table + JSON)",
                        description="Benchmarks measured side by side in one run; results saved as JSON.")
     p.add_argument("section", nargs="?", default="attention", choices=["attention"],

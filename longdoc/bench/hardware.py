@@ -1,0 +1,78 @@
+"""Devices and links the planner knows, and the efficiency assumptions its step-time estimate uses.
+
+Peak numbers are the vendors' dense bf16 figures; memory is what `nvidia-smi` reports as total
+(H100 SXM 81,559 MiB, H200 SXM 143,771 MiB, A100 SXM 81,920 MiB). Bandwidths are per GPU and per
+direction: NVLink 4 (H100/H200) 450 GB/s, NVLink 3 (A100) 300 GB/s; InfiniBand one NIC per GPU,
+NDR 400 Gb/s = 50 GB/s (H100/H200), HDR 200 Gb/s = 25 GB/s (A100). "cpu" describes one local
+process of this project's CPU runs (1 thread, gloo over loopback, fp32), for planning CPU runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 2**30
+GPUS_PER_NODE = 8
+
+
+@dataclass(frozen=True, kw_only=True)
+class Device:
+    name: str
+    memory_gib: float  # total memory of one device (one process on CPU: the RAM it may use)
+    peak_tflops: float  # dense matmul peak in the compute dtype
+    hbm_gbps: float  # memory bandwidth, GB/s (optimizer step)
+    nvlink_gbps: float  # per direction, between GPUs of one node
+    ib_gbps: float  # per GPU NIC, between nodes
+    compute_bytes: int  # bytes per activation element: bf16 on GPUs, fp32 on CPU
+    runtime_gib: float  # memory the runtime takes besides tensors (CUDA context + NCCL; Python + torch on CPU)
+    slack: float  # allocator overhead as a fraction of the short-lived (non-persistent) bytes
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.compute_bytes == 2
+
+
+DEVICES: dict[str, Device] = {
+    "h100": Device(name="H100 SXM 80GB", memory_gib=79.65, peak_tflops=989.0, hbm_gbps=3350.0, nvlink_gbps=450.0,
+                   ib_gbps=50.0, compute_bytes=2, runtime_gib=1.5, slack=0.10),
+    "h200": Device(name="H200 SXM 141GB", memory_gib=140.4, peak_tflops=989.0, hbm_gbps=4800.0, nvlink_gbps=450.0,
+                   ib_gbps=50.0, compute_bytes=2, runtime_gib=1.5, slack=0.10),
+    "a100": Device(name="A100 SXM 80GB", memory_gib=80.0, peak_tflops=312.0, hbm_gbps=2039.0, nvlink_gbps=300.0,
+                   ib_gbps=25.0, compute_bytes=2, runtime_gib=1.5, slack=0.10),
+    # One gloo rank with 1 thread. runtime_gib: RSS of a training process before its first step
+    # (Python, torch, transformers, accelerate, gloo) measured on this project's machines.
+    "cpu": Device(name="CPU process (fp32, gloo)", memory_gib=16.0, peak_tflops=0.07, hbm_gbps=10.0,
+                  nvlink_gbps=0.6, ib_gbps=0.6, compute_bytes=4, runtime_gib=0.60, slack=0.0),
+}
+INTERCONNECTS = ("nvlink", "ib")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Assumptions:
+    """Fractions of peak that the step-time estimate assumes are reached (not measured by the planner)."""
+
+    matmul_efficiency: float = 0.55  # dense layers (GEMMs): typical of well-tuned bf16 training
+    attention_efficiency: float = 0.30  # flash-attention 2 forward+backward blocks (FA2 on H100 bf16: ~30%)
+    link_efficiency: float = 0.80  # achieved / nominal bandwidth of NCCL p2p and collectives
+    latency_s: float = 20e-6  # per message
+
+
+def device(name: str) -> Device:
+    if name not in DEVICES:
+        raise ValueError(f"unknown device {name!r}; choose one of {', '.join(DEVICES)}")
+    return DEVICES[name]
+
+
+def link_gbps(dev: Device, interconnect: str, ranks: int) -> float:
+    """Nominal per-GPU bandwidth of a group of `ranks` consecutive ranks.
+
+    Groups that fit in one node talk over NVLink (interconnect="nvlink") or over the NIC
+    (interconnect="ib": no NVLink, e.g. PCIe GPUs with RDMA); larger groups are limited by the NIC.
+    """
+    if interconnect not in INTERCONNECTS:
+        raise ValueError(f"interconnect must be one of {INTERCONNECTS}, got {interconnect!r}")
+    if ranks <= 1:
+        return float("inf")
+    if ranks <= GPUS_PER_NODE and interconnect == "nvlink":
+        return dev.nvlink_gbps
+    return dev.ib_gbps

@@ -1,0 +1,339 @@
+"""Per-rank peak memory of one training step under context parallelism, term by term.
+
+Notation (every term below is in bytes; README "Planning" works an example by hand):
+  L sequence length, padded to the layout's multiple (2*cp zigzag, cp contiguous); B micro-batch;
+  N = B*L/cp tokens per rank; h hidden, I MLP width, q = heads*head_dim, kv = kv_heads*head_dim,
+  nh heads, V vocabulary, n layers; c bytes per activation (2 bf16 on GPU, 4 fp32 on CPU);
+  P parameters, P_t trainable ones, P_l one layer, P_root = embedding + lm_head + final norm;
+  S ranks sharing parameters (dp*cp under FSDP2, 1 otherwise); C = loss chunk tokens (N: no chunking).
+
+State (present all step):      weights P*4/S (LoRA: frozen base P*c, adapters *4); AdamW 2*P_t*4/S
+Gradients (backward on):       P_t*4/S; + DDP bucket copy P_t*4 when DDP (world > 1, no FSDP), all step
+Saved activations, per token and layer, of an HF Llama-style layer (counted with saved-tensor hooks in
+the tests):  A = 2*(4h + 4 + 2ch) [two RMSNorms: fp32 input, rsqrt, normed, out] + c*(3q + 2kv) [q, k
+after RoPE, v, attention out, o_proj input] + 4nh [lse] + 4cI [gate, up, act, product]; Qwen3's q/k
+norms add 4(q+kv) + 4(nh+nkv) + c(q+kv). LoRA (frozen base): the frozen linears keep no inputs, see
+`layer_bytes_per_token`.
+Activation checkpointing (per decoder layer): n*N*h*c checkpoints + one layer's A*N while it is
+recomputed in the backward; without it n*N*A.
+Loss: cross-entropy over C tokens at a time: 12*C*V (fp32 log-probs + their gradient + the logits
+gradient, the backward peak; bf16 logits are cast to fp32 first). Without chunking C = N.
+Attention workspace (backward of one layer): dQ fp32 4Nq + block dQ and dout copy 2cNq.
+Communication buffers: ring: K/V double buffer 2*(2*N*kv*c) + fp32 dK/dV in flight (1 for cp=1, 3 in
+the ring: being sent, being received, accumulating) * 2*N*kv*4. All-gather: full K/V cp*2*N*kv*c twice
+(parts + ordered copy) + fp32 dK/dV for the whole sequence and its reduce-scatter parts 2*cp*2*N*kv*4.
+FSDP2 buffers: forward 2*P_l*c (current + prefetched layer), backward P_l*(3c + 4) (two layers of
+params, the unsharded gradient and its fp32 reduce copy); the root unit (embedding, lm_head, norm) stays
+unsharded from forward to the end of backward: P_root*c, + its lm_head gradient P_head*c.
+Optimizer step: + AdamW temporaries: foreach on GPU P_t*4/S; per-tensor on CPU 2*(largest tensor)*4.
+
+The step's peak is the largest of four phases, each a sum of the terms live at that moment:
+  forward   state + DDP buckets + n checkpoints + a layer's forward temporaries (3*c*N*I: gate, up, act)
+  loss      state + DDP buckets + n checkpoints (or n*A*N) + final-norm/loss inputs + 12*C*V + lm_head grads
+  backward  state + grads of the layers above + checkpoints of the layers below + A*N + temporaries
+            (max of 2cNI + 2cNh for the MLP, attention workspace + comm buffers) + FSDP buffers
+  optimizer state + all grads + DDP buckets + AdamW temporaries
+plus the runtime (CUDA context + NCCL, or the Python process) and allocator slack on the short-lived part.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from longdoc.bench.hardware import GIB, Device, device
+from longdoc.bench.shapes import ModelShape, lora_params_per_layer
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+STRATEGIES = ("ring", "allgather")
+CATEGORIES = ("weights", "grads", "optimizer", "activations", "loss", "comm_buffers", "fsdp_buffers", "runtime",
+              "slack")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setup:
+    """One training configuration on one kind of device."""
+
+    shape: ModelShape
+    seq_len: int
+    cp: int = 1
+    dp: int = 1
+    micro_batch: int = 1
+    strategy: str = "ring"
+    layout: str = "zigzag"
+    checkpointing: bool = True
+    loss_chunk: int | None = 1024  # None: no chunking (the whole local sequence's logits at once)
+    lora: bool = False
+    lora_rank: int = 16
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    device: str = "h100"
+    fsdp: bool | None = None  # None: the trainer's choice (FSDP2 for full fine-tuning on GPU)
+
+    def __post_init__(self):
+        device(self.device)
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.layout not in ("zigzag", "contiguous"):
+            raise ValueError(f"layout must be 'zigzag' or 'contiguous', got {self.layout!r}")
+        if min(self.seq_len, self.cp, self.dp, self.micro_batch) < 1:
+            raise ValueError("seq_len, cp, dp and micro_batch must be positive")
+        if self.loss_chunk is not None and self.loss_chunk < 1:
+            raise ValueError("loss_chunk must be positive (or None for no chunking)")
+
+    @property
+    def dev(self) -> Device:
+        return device(self.device)
+
+    @property
+    def c(self) -> int:
+        return self.dev.compute_bytes
+
+    @property
+    def world(self) -> int:
+        return self.cp * self.dp
+
+    @property
+    def uses_fsdp(self) -> bool:
+        if self.fsdp is not None:
+            return self.fsdp
+        return self.dev.is_gpu and not self.lora and self.world > 1
+
+    @property
+    def shards(self) -> int:
+        return self.world if self.uses_fsdp else 1
+
+    @property
+    def uses_ddp(self) -> bool:
+        return self.world > 1 and not self.uses_fsdp
+
+    @property
+    def padded_len(self) -> int:
+        multiple = 2 * self.cp if self.layout == "zigzag" else self.cp
+        return math.ceil(self.seq_len / multiple) * multiple
+
+    @property
+    def tokens(self) -> int:
+        """N: tokens each rank holds."""
+        return self.micro_batch * self.padded_len // self.cp
+
+    @property
+    def chunk(self) -> int:
+        return self.tokens if self.loss_chunk is None else min(self.loss_chunk, self.tokens)
+
+    @property
+    def trainable(self) -> int:
+        s = self.shape
+        if self.lora:
+            return s.layers * lora_params_per_layer(s, self.lora_rank, self.lora_targets)
+        return s.params.total
+
+
+@dataclass(frozen=True)
+class Term:
+    """One addend of a phase: what it is, its category, the formula with the numbers put in, bytes."""
+
+    label: str
+    category: str
+    formula: str
+    bytes: float
+
+
+@dataclass
+class MemoryEstimate:
+    setup: Setup
+    phases: dict[str, list[Term]]  # phase -> the terms live at its peak
+    peak_phase: str
+    notes: list[str] = field(default_factory=list)
+
+    def phase_total(self, phase: str) -> float:
+        return sum(t.bytes for t in self.phases[phase])
+
+    @property
+    def terms(self) -> list[Term]:
+        return self.phases[self.peak_phase]
+
+    @property
+    def breakdown(self) -> dict[str, float]:
+        """Category -> bytes at the peak phase."""
+        out = dict.fromkeys(CATEGORIES, 0.0)
+        for t in self.terms:
+            out[t.category] += t.bytes
+        return out
+
+    @property
+    def total(self) -> float:
+        return self.phase_total(self.peak_phase)
+
+    @property
+    def total_gib(self) -> float:
+        return self.total / GIB
+
+    @property
+    def allocator_gib(self) -> float:
+        """Everything but the runtime: what a caching allocator reports as reserved (torch.cuda)."""
+        return (self.total - self.breakdown["runtime"]) / GIB
+
+
+def layer_bytes_per_token(shape: ModelShape, c: int, lora: bool = False, lora_rank: int = 16,
+                          lora_targets: tuple[str, ...] = LORA_TARGETS) -> float:
+    """A: bytes one decoder layer saves for backward per token (see the module docstring)."""
+    h, q, kv, i, nh = shape.hidden, shape.q, shape.kv, shape.intermediate, shape.heads
+    attn = c * (3 * q + 2 * kv) + 4 * nh
+    if shape.fused_qkv:
+        attn += c * (q + kv)  # v is a view of the fused qkv output, which it keeps alive whole
+    qk = (4 * (q + kv) + 4 * (nh + shape.kv_heads) + c * (q + kv)) if shape.qk_norm else 0
+    # RMSNorm: fp32 input, rsqrt, normed, output; LayerNorm: input, mean, rstd, output.
+    norm_base, norm_out = ((c * h + 8, c * h) if shape.layernorm else (4 * h + 4, c * h))
+    normed = 0 if shape.layernorm else c * h
+    if not lora:
+        return 2 * (norm_base + normed + norm_out) + attn + qk + 4 * c * i
+    # Frozen weights: a frozen linear keeps no input, a norm with a frozen weight keeps no normed copy.
+    # What the adapters read is kept: the attention norm's output (q/k/v adapters), the o_proj input (in
+    # `attn`), and each adapter's rank-r intermediate. The MLP keeps gate, up and act for the gradient that
+    # flows to earlier layers, but not the product (down_proj is frozen).
+    targets = set(lora_targets)
+    norms = 2 * norm_base + (norm_out if {"q_proj", "k_proj", "v_proj"} & targets else 0)
+    mlp = 3 * c * i + (c * h if {"gate_proj", "up_proj"} & targets else 0) + (c * i if "down_proj" in targets else 0)
+    return norms + attn + qk + mlp + c * lora_rank * len(lora_targets)
+
+
+def _comm_buffers(s: Setup) -> float:
+    n, kv, c = s.tokens, s.shape.kv, s.c
+    if s.strategy == "ring":
+        double = 2 * (2 * n * kv * c)
+        dkv = (3 if s.cp > 1 else 1) * 2 * n * kv * 4
+        return double + dkv
+    full = s.cp * 2 * n * kv
+    return 2 * full * c + 2 * full * 4
+
+
+def estimate(s: Setup) -> MemoryEstimate:
+    """Every phase's live terms, and which phase is the peak."""
+    sh, dev, n, c, S = s.shape, s.dev, s.tokens, s.c, s.shards
+    h, i, q, v, nl = sh.hidden, sh.intermediate, sh.q, sh.vocab, sh.layers
+    p, p_t, p_l = sh.params.total, s.trainable, sh.params.layer
+    chunked = s.loss_chunk is not None
+    T = Term
+
+    if s.lora:
+        weights = T("weights", "weights", f"P*c + P_t*4 = {p:,}*{c} + {p_t:,}*4", p * c + p_t * 4)
+    else:
+        weights = T("weights", "weights", f"P*4/S = {p:,}*4/{S}", p * 4 / S)
+    optimizer = T("AdamW moments", "optimizer", f"2*P_t*4/S = 2*{p_t:,}*4/{S}", 2 * p_t * 4 / S)
+    state = [weights, optimizer]
+    if s.uses_ddp:
+        state.append(T("DDP gradient buckets", "grads", f"P_t*4 = {p_t:,}*4", p_t * 4))
+    runtime = T("runtime", "runtime", f"{dev.name}: {dev.runtime_gib} GiB", dev.runtime_gib * GIB)
+
+    a_tok = layer_bytes_per_token(sh, c, s.lora, s.lora_rank, s.lora_targets)
+    a = a_tok * n
+    rotary = T("rotary cos/sin", "activations", f"2*N*rotary_dim*c = 2*{n:,}*{sh.rotary_dim}*{c}",
+               2 * n * sh.rotary_dim * c)
+
+    def saved(layers: int) -> Term:
+        if s.checkpointing:
+            return T(f"checkpoints ({layers} layers)", "activations", f"{layers}*N*h*c = {layers}*{n:,}*{h}*{c}",
+                     layers * n * h * c)
+        return T(f"saved activations ({layers} layers)", "activations", f"{layers}*A*N = {layers}*{a_tok:,.0f}*{n:,}",
+                 layers * a)
+
+    head_params = 0 if s.lora else (sh.params.head or sh.params.embed)
+    # lm_head gradient (tied: the embedding's): under FSDP it stays unsharded in compute dtype until the
+    # root unit's backward ends; otherwise it is the fp32 gradient itself.
+    hg_bytes = head_params * (c if s.uses_fsdp else 4)
+    head_grad = T("lm_head gradient", "fsdp_buffers" if s.uses_fsdp else "grads",
+                  f"P_head*{c if s.uses_fsdp else 4} = {head_params:,}*{c if s.uses_fsdp else 4}", hg_bytes)
+    fsdp_root = []
+    if s.uses_fsdp:
+        p_root = p - sh.params.layers  # not resharded after forward: gathered from forward to backward's end
+        fsdp_root = [T("FSDP root unit (embedding, lm_head, norm) gathered", "fsdp_buffers",
+                       f"P_root*c = {p_root:,}*{c}", p_root * c)]
+
+    # forward of the last layer: every checkpoint + that layer's largest temporaries (gate, up, act)
+    forward = [*state, saved(nl), rotary, T("layer forward temporaries", "activations",
+                                            f"3*c*N*I = 3*{c}*{n:,}*{i:,}", 3 * c * n * i), *fsdp_root]
+    if s.uses_fsdp:
+        forward.append(T("FSDP layers gathered (current + prefetched)", "fsdp_buffers",
+                         f"2*P_l*c = 2*{p_l:,}*{c}", 2 * p_l * c))
+
+    # loss: the CE backward of the last chunk; earlier chunks' lm_head gradient exists already
+    loss = [*state, saved(nl), rotary,
+            T("final norm + loss inputs", "activations", f"N*(4h + 4 + 3ch) = {n:,}*(4*{h} + 4 + 3*{c}*{h})",
+              n * (4 * h + 4 + 3 * c * h)),
+            T("loss chunk (fp32 log-probs, their grad, logits grad)", "loss",
+              f"12*C*V = 12*{s.chunk:,}*{v:,}", 12.0 * s.chunk * v), *fsdp_root]
+    if chunked and head_params:
+        loss.append(head_grad)
+
+    # backward of layer j (n-1 first): inputs of layers 0..j, gradients of the layers above, layer j's tensors
+    mlp_tmp = 2 * c * n * i + 2 * c * n * h
+    comm = _comm_buffers(s)
+    attn_tmp = 4 * n * q + 2 * c * n * q - 4 * c * n * i  # the MLP's saved part (4cNI) is freed by then
+    grad_layer = (lora_params_per_layer(sh, s.lora_rank, s.lora_targets) if s.lora else p_l) * 4 / S
+
+    def backward_at(j: int) -> list[Term]:
+        terms = [*state, saved(j + 1), rotary]
+        if s.checkpointing:
+            # In fp32 the first norm's saved input IS the checkpointed layer input: not counted twice.
+            alias = n * h * 4 if c == 4 else 0
+            terms.append(T("recomputed layer", "activations", f"A*N - alias = {a_tok:,.0f}*{n:,} - {alias:,}",
+                           a - alias))
+        if attn_tmp + comm > mlp_tmp:
+            terms += [T("attention backward workspace", "activations",
+                        f"4Nq + 2cNq - 4cNI = {n:,}*(4*{q} + 2*{c}*{q} - 4*{c}*{i})", attn_tmp),
+                      T(f"{s.strategy} buffers", "comm_buffers", _comm_formula(s), comm)]
+        else:
+            terms.append(T("MLP backward temporaries", "activations",
+                           f"2cNI + 2cNh = 2*{c}*{n:,}*({i} + {h})", mlp_tmp))
+        above = nl - 1 - j
+        if above:
+            terms.append(T(f"gradients ({above} layers)", "grads", f"{above}*P_l_t*4/S", above * grad_layer))
+        if head_params:
+            terms.append(head_grad)
+        if s.uses_fsdp:
+            terms += [*fsdp_root, T("FSDP layer buffers (2 gathered, grad, fp32 reduce copy)", "fsdp_buffers",
+                                    f"P_l*(3c + 4) = {p_l:,}*(3*{c} + 4)", p_l * (3 * c + 4))]
+        return terms
+
+    backward = max((backward_at(j) for j in range(nl)), key=lambda ts: sum(t.bytes for t in ts))
+    optim = [*state, T("gradients", "grads", f"P_t*4/S = {p_t:,}*4/{S}", p_t * 4 / S), _adam_temporaries(s)]
+    phases = {"forward": forward, "loss": loss, "backward": backward, "optimizer": optim}
+    for terms in phases.values():
+        short = sum(t.bytes for t in terms if t.category in ("activations", "loss", "comm_buffers", "fsdp_buffers"))
+        terms.append(runtime)
+        if dev.slack:
+            terms.append(T("allocator slack", "slack", f"{dev.slack:g} x short-lived bytes", dev.slack * short))
+    peak = max(phases, key=lambda k: sum(t.bytes for t in phases[k]))
+    return MemoryEstimate(setup=s, phases=phases, peak_phase=peak, notes=_notes(s))
+
+
+def _comm_formula(s: Setup) -> str:
+    n, kv, c = s.tokens, s.shape.kv, s.c
+    if s.strategy == "ring":
+        k = 3 if s.cp > 1 else 1
+        return f"2*(2*N*kv*c) + {k}*(2*N*kv*4) = 2*(2*{n:,}*{kv}*{c}) + {k}*(2*{n:,}*{kv}*4)"
+    return f"2*cp*2*N*kv*(c + 4) = 2*{s.cp}*2*{n:,}*{kv}*({c} + 4)"
+
+
+def _adam_temporaries(s: Setup) -> Term:
+    if s.dev.is_gpu:  # foreach AdamW: one sqrt(exp_avg_sq) copy of every tensor of the shard
+        return Term("AdamW foreach temporaries", "optimizer", f"P_t*4/S = {s.trainable:,}*4/{s.shards}",
+                    s.trainable * 4 / s.shards)
+    sh = s.shape
+    largest = max(sh.params.embed, sh.params.head, sh.hidden * sh.intermediate) if not s.lora else s.trainable
+    # per-tensor AdamW on CPU: sqrt(exp_avg_sq) and the denominator, for the largest tensor
+    return Term("AdamW temporaries", "optimizer", f"2*largest*4 = 2*{largest:,}*4", 2 * largest * 4)
+
+
+def _notes(s: Setup) -> list[str]:
+    notes = []
+    if s.shape.moe:
+        notes.append("MoE model: activations use the active experts' width (k * expert width + shared); the "
+                     "router and dispatch buffers are not modelled")
+    if s.shape.max_positions and s.seq_len > s.shape.max_positions:
+        notes.append(f"seq_len {s.seq_len} exceeds the model's context ({s.shape.max_positions}); train with "
+                     f"model.rope_type=yarn and a rope_factor")
+    if s.padded_len != s.seq_len:
+        notes.append(f"the sequence is padded from {s.seq_len} to {s.padded_len} tokens (a multiple of "
+                     f"{s.padded_len // (s.padded_len // (2 * s.cp if s.layout == 'zigzag' else s.cp))})")
+    return notes

@@ -1,0 +1,228 @@
+"""`longdoc plan`: will this run fit, with which cp_size, dp and strategy, and how fast will it go?
+
+    longdoc plan --model Llama-3.1-8B --seq-len 131072 --gpus 8 --gpu h100
+    longdoc plan --model path/to/config.json --seq-len 65536 --gpus 16 --interconnect ib --lora --json
+
+Every (cp, dp = gpus/cp, strategy, activation checkpointing) the request leaves open is estimated with
+the formulas of `memory.py` (per-GPU peak memory, term by term) and `timing.py` (step time with
+communication overlap). The recommendation is the fitting candidate with the highest throughput; near
+ties (within 3%) go to the smaller cp, then the ring, then no checkpointing. When nothing fits, the
+plan says by how much, and what would make it fit: checkpointing, the chunked loss, LoRA, more GPUs,
+a bigger GPU, or the longest sequence that fits as asked. Works from a config alone (no weights).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from longdoc.bench.hardware import GIB, INTERCONNECTS, Assumptions, device
+from longdoc.bench.memory import STRATEGIES, MemoryEstimate, Setup, estimate
+from longdoc.bench.shapes import ModelShape, model_shape
+from longdoc.bench.timing import StepTime, estimate_time
+
+TIE = 0.03
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRequest:
+    model: str
+    seq_len: int
+    gpus: int = 8
+    gpu: str = "h100"
+    interconnect: str = "nvlink"
+    lora: bool = False
+    checkpointing: bool | None = None  # None: consider both
+    cp: int | None = None
+    dp: int | None = None
+    strategy: str | None = None
+    chunked_loss: bool = True
+    loss_chunk: int = 1024
+    micro_batch: int = 1
+    memory_gib: float | None = None  # override the device's memory
+
+    def __post_init__(self):
+        device(self.gpu)
+        if self.interconnect not in INTERCONNECTS:
+            raise ValueError(f"--interconnect must be one of {INTERCONNECTS}, got {self.interconnect!r}")
+        if self.seq_len < 2 or self.gpus < 1:
+            raise ValueError("--seq-len must be at least 2 tokens and --gpus at least 1")
+        if self.strategy is not None and self.strategy not in STRATEGIES:
+            raise ValueError(f"--strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        for name in ("cp", "dp"):
+            value = getattr(self, name)
+            if value is not None and (value < 1 or self.gpus % value):
+                raise ValueError(f"--{name} {value} must divide --gpus {self.gpus}; choose among {divisors(self.gpus)}")
+        if self.cp and self.dp and self.cp * self.dp != self.gpus:
+            raise ValueError(f"--cp {self.cp} x --dp {self.dp} = {self.cp * self.dp} must equal --gpus {self.gpus}")
+
+    @property
+    def capacity_gib(self) -> float:
+        return self.memory_gib if self.memory_gib is not None else device(self.gpu).memory_gib
+
+
+@dataclass
+class Candidate:
+    setup: Setup
+    memory: MemoryEstimate
+    time: StepTime
+    capacity_gib: float
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total_gib <= self.capacity_gib
+
+    def describe(self) -> str:
+        s = self.setup
+        return (f"cp={s.cp} dp={s.dp} {s.strategy} {s.layout}, activation checkpointing "
+                f"{'on' if s.checkpointing else 'off'}, "
+                + (f"chunked loss ({s.loss_chunk} tokens)" if s.loss_chunk else "full logits (no chunked loss)")
+                + (", LoRA" if s.lora else "") + (", FSDP2" if s.uses_fsdp else ""))
+
+    def to_dict(self) -> dict:
+        s = self.setup
+        return {
+            "cp": s.cp, "dp": s.dp, "strategy": s.strategy, "layout": s.layout, "checkpointing": s.checkpointing,
+            "loss_chunk": s.loss_chunk, "lora": s.lora, "fsdp": s.uses_fsdp, "tokens_per_rank": s.tokens,
+            "fits": self.fits, "peak_gib": self.memory.total_gib, "peak_phase": self.memory.peak_phase,
+            "allocator_gib": self.memory.allocator_gib,
+            "breakdown_gib": {k: v / GIB for k, v in self.memory.breakdown.items()},
+            "terms": [{"label": t.label, "category": t.category, "formula": t.formula, "gib": t.bytes / GIB}
+                      for t in self.memory.terms],
+            "phases_gib": {k: self.memory.phase_total(k) / GIB for k in self.memory.phases},
+            "step_s": self.time.total, "step_parts_s": self.time.seconds, "passes_s": self.time.passes,
+            "tokens_per_s": self.time.tokens_per_s, "tokens_per_s_per_gpu": self.time.tokens_per_s_per_device,
+            "flops_per_rank": self.time.flops, "comm_bytes_per_rank": self.time.comm_bytes,
+        }
+
+
+@dataclass
+class Plan:
+    request: PlanRequest
+    shape: ModelShape
+    candidates: list[Candidate]
+    best: Candidate | None
+    suggestions: list[str] = field(default_factory=list)
+
+    @property
+    def closest(self) -> Candidate:
+        return min(self.candidates, key=lambda c: c.memory.total)
+
+    def to_dict(self) -> dict:
+        sh = self.shape
+        return {
+            "request": dataclasses.asdict(self.request),
+            "model": {"name": sh.name, "params": sh.params.total, "layers": sh.layers, "hidden": sh.hidden,
+                      "intermediate": sh.intermediate, "heads": sh.heads, "kv_heads": sh.kv_heads,
+                      "head_dim": sh.head_dim, "vocab": sh.vocab, "tied": sh.tied},
+            "device": dataclasses.asdict(device(self.request.gpu)), "capacity_gib": self.request.capacity_gib,
+            "assumptions": dataclasses.asdict(Assumptions()),
+            "fits": self.best is not None,
+            "recommended": self.best.to_dict() if self.best else None,
+            "closest": None if self.best else self.closest.to_dict(),
+            "suggestions": self.suggestions,
+            "candidates": [c.to_dict() for c in self.candidates],
+        }
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _setups(req: PlanRequest, shape: ModelShape) -> list[Setup]:
+    cps = [req.cp] if req.cp else [req.gpus // req.dp] if req.dp else divisors(req.gpus)
+    strategies = [req.strategy] if req.strategy else list(STRATEGIES)
+    acs = [req.checkpointing] if req.checkpointing is not None else [False, True]
+    return [Setup(shape=shape, seq_len=req.seq_len, cp=cp, dp=req.gpus // cp, micro_batch=req.micro_batch,
+                  strategy=st, checkpointing=ac, loss_chunk=req.loss_chunk if req.chunked_loss else None,
+                  lora=req.lora, device=req.gpu)
+            # at cp=1 both strategies are the same computation: list it once (as ring) unless asked
+            for cp in cps for st in strategies for ac in acs if cp > 1 or st == "ring" or req.strategy]
+
+
+def _rank_key(c: Candidate) -> tuple:
+    s = c.setup
+    return (s.cp, STRATEGIES.index(s.strategy), s.checkpointing)
+
+
+def choose(candidates: list[Candidate]) -> Candidate | None:
+    fitting = [c for c in candidates if c.fits]
+    if not fitting:
+        return None
+    top = max(c.time.tokens_per_s for c in fitting)
+    near = [c for c in fitting if c.time.tokens_per_s >= (1 - TIE) * top]
+    return min(near, key=_rank_key)
+
+
+def evaluate(req: PlanRequest, shape: ModelShape | None = None) -> Plan:
+    shape = shape or model_shape(req.model)
+    cands = []
+    for s in _setups(req, shape):
+        cands.append(Candidate(setup=s, memory=estimate(s), time=estimate_time(s, req.interconnect),
+                               capacity_gib=req.capacity_gib))
+    return Plan(request=req, shape=shape, candidates=cands, best=choose(cands))
+
+
+def plan(req: PlanRequest) -> Plan:
+    """Estimate every open configuration, recommend one, and say what to change when none fits."""
+    result = evaluate(req)
+    if result.best is None:
+        result.suggestions = _suggestions(req, result)
+    return result
+
+
+def _fits_with(req: PlanRequest, shape: ModelShape, **changes) -> Candidate | None:
+    try:
+        return evaluate(dataclasses.replace(req, **changes), shape).best
+    except ValueError:
+        return None
+
+
+def _suggestions(req: PlanRequest, result: Plan) -> list[str]:
+    shape, out = result.shape, []
+    need = result.closest.memory.total_gib
+    out.append(f"the smallest configuration ({result.closest.describe()}) needs {need:.1f} GiB per GPU, "
+               f"{need - req.capacity_gib:.1f} GiB more than the {req.capacity_gib:.1f} GiB available")
+    for flag, change in (("--checkpointing", {"checkpointing": True}), ("the chunked loss (drop --no-chunked-loss)",
+                         {"chunked_loss": True}), ("--lora", {"lora": True}), ("without --cp/--dp/--strategy",
+                         {"cp": None, "dp": None, "strategy": None})):
+        key = next(iter(change))
+        if getattr(req, key) != change[key] and (key != "cp" or req.cp or req.dp or req.strategy):
+            best = _fits_with(req, shape, **change)
+            if best:
+                out.append(f"fits with {flag}: {best.describe()}, {best.memory.total_gib:.1f} GiB per GPU")
+    gpus = req.gpus
+    while gpus < 4096:
+        gpus *= 2
+        best = _fits_with(req, shape, gpus=gpus, cp=None, dp=None)
+        if best:
+            out.append(f"fits on {gpus} GPUs: {best.describe()}, {best.memory.total_gib:.1f} GiB per GPU")
+            break
+    for bigger in ("h200",):
+        if req.gpu != bigger and device(bigger).memory_gib > req.capacity_gib and req.memory_gib is None:
+            best = _fits_with(req, shape, gpu=bigger)
+            if best:
+                out.append(f"fits on {req.gpus} x {device(bigger).name}: {best.describe()}, "
+                           f"{best.memory.total_gib:.1f} GiB per GPU")
+    longest = longest_fitting(req, shape)
+    if longest:
+        out.append(f"as asked, sequences up to {longest:,} tokens fit on {req.gpus} GPUs")
+    else:
+        state = sum(t.bytes for t in result.closest.memory.terms if t.category in ("weights", "optimizer")) / GIB
+        out.append(f"no sequence length fits as asked: weights and AdamW state alone take {state:.1f} GiB per GPU "
+                   f"here (full fine-tuning needs 16 bytes per parameter, sharded over the GPUs by FSDP2)")
+    return out
+
+
+def longest_fitting(req: PlanRequest, shape: ModelShape | None = None, step: int = 1024) -> int:
+    """The longest sequence (a multiple of `step`) for which some open configuration fits, or 0."""
+    shape = shape or model_shape(req.model)
+    lo, hi = 0, max(step, req.seq_len // step * step)
+    if _fits_with(req, shape, seq_len=hi):
+        return hi
+    while hi - lo > step:
+        mid = (lo + hi) // 2 // step * step
+        if mid <= lo:
+            break
+        lo, hi = (mid, hi) if _fits_with(req, shape, seq_len=mid) else (lo, mid)
+    return lo

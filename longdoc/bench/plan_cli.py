@@ -1,0 +1,65 @@
+"""`longdoc plan`: per-GPU memory and step time of a long-context fine-tuning run, before running it.
+
+    longdoc plan --model Llama-3.1-8B --seq-len 131072 --gpus 8 --gpu h100
+    longdoc plan --model SmolLM2-135M-Instruct --seq-len 32768 --gpus 2 --gpu cpu --memory-gib 8
+
+Formulas: longdoc/bench/memory.py and timing.py (README "Planning" works an example by hand).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from longdoc.bench.hardware import DEVICES, INTERCONNECTS
+
+    p = sub.add_parser("plan", help="will a run fit? per-GPU memory, step time, recommended cp/dp/strategy",
+                       description="Estimate per-GPU peak memory (term by term) and step time of every cp/dp/strategy "
+                                   "the options leave open, recommend one, and say what to change if none fits. "
+                                   "Needs only a config (no weights).")
+    p.add_argument("--model", required=True,
+                   help="published config name (Llama-3.1-8B, Llama-3.1-70B, Qwen2.5-7B, SmolLM2-135M), a config.json, "
+                        "a model folder, 'tiny:<arch>' or a hub id")
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per training sequence")
+    p.add_argument("--gpus", type=int, default=8, help="devices in the job (= dp x cp)")
+    p.add_argument("--gpu", default="h100", choices=list(DEVICES), help="device kind ('cpu': one local gloo process)")
+    p.add_argument("--memory-gib", type=float, default=None, help="memory per device, overriding the device's")
+    p.add_argument("--interconnect", default="nvlink", choices=list(INTERCONNECTS),
+                   help="link between the GPUs of a node (groups larger than a node use InfiniBand)")
+    p.add_argument("--lora", action="store_true", help="LoRA r=16 on q/k/v/o, frozen bf16 base (no FSDP)")
+    p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                   help="full activation checkpointing on/off (default: consider both)")
+    p.add_argument("--cp", type=int, default=None, help="pin the context-parallel size")
+    p.add_argument("--dp", type=int, default=None, help="pin the data-parallel size")
+    p.add_argument("--strategy", choices=["ring", "allgather"], default=None, help="pin the CP attention strategy")
+    p.add_argument("--no-chunked-loss", action="store_true",
+                   help="cross-entropy over all local tokens at once (what most trainers do) instead of 1024 at a time")
+    p.add_argument("--loss-chunk", type=int, default=1024, help="tokens per cross-entropy chunk")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per forward pass per replica")
+    p.add_argument("--all", action="store_true", help="list every candidate configuration")
+    p.add_argument("--json", action="store_true", help="print the full plan as JSON")
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    from longdoc.bench.plan import PlanRequest, plan
+
+    try:
+        req = PlanRequest(model=args.model, seq_len=args.seq_len, gpus=args.gpus, gpu=args.gpu,
+                          interconnect=args.interconnect, lora=args.lora, checkpointing=args.checkpointing,
+                          cp=args.cp, dp=args.dp, strategy=args.strategy, chunked_loss=not args.no_chunked_loss,
+                          loss_chunk=args.loss_chunk, micro_batch=args.micro_batch, memory_gib=args.memory_gib)
+        result = plan(req)
+    except ValueError as e:
+        print(f"longdoc plan: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        from longdoc.bench.report import render_plan
+
+        print(render_plan(result, show_all=args.all))
+    return 0 if result.best is not None else 1

@@ -1,0 +1,62 @@
+"""Text and markdown renderings of plans and benchmark results."""
+
+from __future__ import annotations
+
+from longdoc.bench.hardware import GIB, device
+from longdoc.bench.plan import Candidate, Plan
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:7.2f}"
+
+
+def _tokens(x: float) -> str:
+    return f"{x:,.0f}"
+
+
+def render_candidate(c: Candidate) -> list[str]:
+    m, t = c.memory, c.time
+    phase = {"forward": "end of the forward", "loss": "the loss backward (last chunk)",
+             "backward": "the backward of a decoder layer", "optimizer": "the optimizer step"}[m.peak_phase]
+    lines = [f"  per-GPU peak: {m.total_gib:.2f} GiB of {c.capacity_gib:.2f} GiB, during {phase}",
+             f"  {'term':<58} {'GiB':>7}  formula (bytes)"]
+    for term in m.terms:
+        lines.append(f"  {term.label:<58} {_gib(term.bytes)}  {term.formula}")
+    lines.append("  by category: " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in m.breakdown.items() if v))
+    lines.append("  phases: " + ", ".join(f"{k} {m.phase_total(k) / GIB:.2f}" for k in m.phases) + " GiB")
+    lines.append(f"  step time: {t.total:.2f} s = compute {t.seconds['compute']:.2f} + exposed communication "
+                 f"{t.seconds['exposed_comm']:.2f} + optimizer {t.seconds['optimizer']:.3f}; "
+                 f"{_tokens(t.tokens_per_s)} tokens/s ({_tokens(t.tokens_per_s_per_device)} per GPU)")
+    lines.append("  FLOPs per rank: " + ", ".join(f"{k} {v:.3g}" for k, v in t.flops.items())
+                 + "; bytes sent per rank: " + (", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in t.comm_bytes.items())
+                                                or "none"))
+    lines += [f"  note: {n}" for n in m.notes]
+    return lines
+
+
+def render_plan(p: Plan, show_all: bool = False) -> str:
+    r, sh = p.request, p.shape
+    dev = device(r.gpu)
+    head = (f"longdoc plan: {sh.name} ({sh.params.total / 1e9:.2f}B params, {sh.layers} layers, hidden {sh.hidden}, "
+            f"{sh.heads}/{sh.kv_heads} heads x {sh.head_dim}, vocab {sh.vocab:,}) at {r.seq_len:,} tokens "
+            f"x {r.micro_batch} on {r.gpus} x {dev.name} ({r.interconnect})")
+    lines = [head, ""]
+    if p.best is not None:
+        lines.append(f"RECOMMENDED: {p.best.describe()}")
+        lines += render_candidate(p.best)
+    else:
+        lines.append("DOES NOT FIT: no configuration the options allow fits in "
+                     f"{r.capacity_gib:.2f} GiB per device.")
+        lines += [f"  - {s}" for s in p.suggestions]
+        lines += ["", f"closest: {p.closest.describe()}"] + render_candidate(p.closest)
+    rows = p.candidates if show_all else [c for c in p.candidates if c.fits] or p.candidates
+    lines += ["", f"{'cp':>3} {'dp':>3} {'strategy':<9} {'AC':<3} {'peak GiB':>9} {'fits':<4} {'s/step':>8} "
+                  f"{'tokens/s':>10} {'per GPU':>8}"]
+    for c in sorted(rows, key=lambda c: (c.setup.cp, c.setup.strategy, c.setup.checkpointing)):
+        s = c.setup
+        lines.append(f"{s.cp:>3} {s.dp:>3} {s.strategy:<9} {'on' if s.checkpointing else 'off':<3} "
+                     f"{c.memory.total_gib:>9.2f} {'yes' if c.fits else 'no':<4} {c.time.total:>8.2f} "
+                     f"{_tokens(c.time.tokens_per_s):>10} {_tokens(c.time.tokens_per_s_per_device):>8}")
+    lines += ["", "Memory formulas: longdoc/bench/memory.py; time: longdoc/bench/timing.py (assumed efficiencies: "
+                  "matmul 55%, attention 30%, links 80% of peak)."]
+    return "\n".join(lines)

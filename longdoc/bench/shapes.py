@@ -1,0 +1,176 @@
+"""The shape of a causal LM as the planner sees it, from a config alone (no weights).
+
+    shape = model_shape("Llama-3.1-8B")            # data/configs/*.json, a folder, a config.json, a hub id,
+    shape = model_shape("tiny:llama")              # "tiny:<arch>", or SmolLM2-135M-Instruct
+    shape.params.total                              # 8_030_261_248
+
+Parameter counts come from the model built on PyTorch's meta device (exact for any architecture
+transformers knows, and nothing is allocated). For a Llama-shaped model they equal the formula a
+reader can check by hand (tested for the configs in data/configs):
+
+    per layer  = h*q + 2*h*kv + q*h        (q, k, v, o projections; q = heads*head_dim, kv = kv_heads*head_dim)
+               + 3*h*I                     (gate, up, down)
+               + 2*h                       (two RMSNorm weights)
+    total      = layers * per_layer + V*h (embedding) + V*h (lm_head, unless tied) + h (final norm)
+
+Llama-3.1-8B: 32 * 218,112,000 + 2 * 525,336,576 + 4,096 = 8,030,261,248.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "data" / "configs"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamCount:
+    embed: int  # input embedding
+    head: int  # lm_head (0 when tied to the embedding)
+    layer: int  # one decoder layer (the largest, if they differ)
+    layers: int  # all decoder layers
+    other: int  # final norm and anything else outside the layers
+
+    @property
+    def total(self) -> int:
+        return self.embed + self.head + self.layers + self.other
+
+    @property
+    def matmul(self) -> int:
+        """Parameters used in a matmul per token (every weight but the embedding lookup and norms)."""
+        return self.layers + self.head + (self.embed if self.head == 0 else 0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    name: str
+    model_type: str
+    hidden: int  # h
+    intermediate: int  # I: MLP width a token passes through (for MoE: experts per token * expert width + shared)
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int  # V
+    tied: bool
+    qk_norm: bool  # per-head RMSNorm on q and k (Qwen3, OLMo-2)
+    layernorm: bool  # LayerNorm (StableLM, GPT-NeoX) instead of RMSNorm
+    fused_qkv: bool  # one qkv projection whose output v keeps alive (Phi-3)
+    rotary_dim: int  # head dims RoPE rotates (partial rotary: fewer)
+    moe: bool
+    max_positions: int
+    params: ParamCount
+
+    @property
+    def q(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+def _resolve_config(name_or_path: str):
+    from longdoc import models
+
+    path = Path(name_or_path).expanduser()
+    if path.is_file() or path.is_dir() or name_or_path.startswith(models.TINY_PREFIX):
+        return models.load_config(str(path) if path.is_file() else name_or_path)
+    known = {p.stem.lower(): p for p in CONFIG_DIR.glob("*.json")}
+    key = name_or_path.rsplit("/", 1)[-1].lower()
+    for candidate in (key, key.removesuffix("-instruct")):
+        if candidate in known:
+            return models.load_config(str(known[candidate]))
+    try:
+        return models.load_config(name_or_path)
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"cannot find a config for {name_or_path!r}: {err}. Offline, pass a config.json or a model folder, "
+            f"'tiny:<arch>', or one of the published configs in {CONFIG_DIR}: "
+            f"{', '.join(sorted(p.stem for p in known.values()))}") from err
+
+
+def _get(cfg, *names: str, default: Any = None) -> Any:
+    for n in names:
+        value = getattr(cfg, n, None)
+        if value is not None:
+            return value
+    return default
+
+
+@functools.lru_cache(maxsize=32)
+def _count_params(config_json: str) -> ParamCount:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = json.loads(config_json)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):  # shapes only: a 70B model costs nothing here
+        model = AutoModelForCausalLM.from_config(config)
+    embed = model.get_input_embeddings().weight
+    out = model.get_output_embeddings()
+    head = 0 if out is None or out.weight is embed else out.weight.numel()
+    layer_sizes = [sum(p.numel() for p in layer.parameters()) for layer in model.get_decoder().layers]
+    total = sum(p.numel() for p in model.parameters())
+    return ParamCount(embed=embed.numel(), head=head, layer=max(layer_sizes), layers=sum(layer_sizes),
+                      other=total - embed.numel() - head - sum(layer_sizes))
+
+
+def _partial_rotary(text) -> float:
+    rope = getattr(text, "rope_parameters", None) or {}
+    factor = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
+    return float(factor or _get(text, "partial_rotary_factor", default=1.0))
+
+
+def shape_from_config(config, name: str = "") -> ModelShape:
+    """A ModelShape from a transformers config (text part of multimodal configs)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    h, heads = int(text.hidden_size), int(text.num_attention_heads)
+    head_dim = int(_get(text, "head_dim", default=h // heads))
+    experts_per_tok = _get(text, "num_experts_per_tok")
+    moe = experts_per_tok is not None and _get(text, "num_experts", "num_local_experts") is not None
+    if moe:
+        width = int(experts_per_tok) * int(_get(text, "moe_intermediate_size", "intermediate_size"))
+        width += int(_get(text, "shared_expert_intermediate_size", default=0))
+    else:
+        width = int(text.intermediate_size)
+    fields = {k: v for k, v in text.to_dict().items() if not k.startswith("_")}
+    fields["model_type"] = text.model_type
+    params = _count_params(json.dumps(fields, sort_keys=True, default=str))
+    return ModelShape(
+        name=name or getattr(text, "_name_or_path", "") or text.model_type,
+        model_type=text.model_type, hidden=h, intermediate=width, layers=int(text.num_hidden_layers),
+        heads=heads, kv_heads=int(_get(text, "num_key_value_heads", default=heads)), head_dim=head_dim,
+        vocab=int(text.vocab_size), tied=params.head == 0, qk_norm=text.model_type in ("qwen3", "qwen3_moe", "olmo2"),
+        layernorm=getattr(text, "rms_norm_eps", None) is None and getattr(text, "layer_norm_eps", None) is not None,
+        fused_qkv=text.model_type in ("phi3",),
+        rotary_dim=int(head_dim * _partial_rotary(text)), moe=moe,
+        max_positions=int(_get(text, "max_position_embeddings", default=0)), params=params,
+    )
+
+
+def model_shape(name_or_path: str) -> ModelShape:
+    """The shape of a model by name, published config, folder, config.json, hub id or "tiny:<arch>"."""
+    return shape_from_config(_resolve_config(name_or_path), name=name_or_path)
+
+
+def lora_params_per_layer(shape: ModelShape, rank: int, targets: tuple[str, ...]) -> int:
+    """LoRA A (r x in) + B (out x r) for each targeted projection of one layer."""
+    h, q, kv, i = shape.hidden, shape.q, shape.kv, shape.intermediate
+    dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    unknown = [t for t in targets if t not in dims]
+    if unknown:
+        raise ValueError(f"LoRA targets {unknown} are not modelled by the planner; use among {', '.join(dims)}")
+    return sum(rank * (a + b) for a, b in (dims[t] for t in targets))
+
+
+def llama_formula_params(shape: ModelShape) -> int:
+    """The hand formula of the module docstring (Llama-shaped models without biases)."""
+    h, q, kv, i = shape.hidden, shape.q, shape.kv, shape.intermediate
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h
+    return shape.layers * per_layer + shape.vocab * h * (1 if shape.tied else 2) + h

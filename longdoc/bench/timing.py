@@ -1,0 +1,117 @@
+"""Estimated time of one training step per rank: FLOPs, bandwidth, and what overlaps what.
+
+FLOPs per rank (N = B*L/cp tokens, P_mm = parameters used in matmuls, q = heads*head_dim):
+  dense forward      2 * N * P_mm                              (lm_head included, embedding lookup not)
+  dense backward     2 x forward (inputs and weights); LoRA: 1 x forward (inputs only, base frozen)
+  attention forward  2 * B * L^2 * q / cp per layer            (QK^T and PV, 2 flops per multiply-add,
+                                                                causal half; zigzag gives every rank the same
+                                                                share; contiguous: the last rank does (2cp-1)/cp x)
+  attention backward 2.5 x forward                              (flash backward: 5 matmuls to the forward's 2)
+  recompute          full activation checkpointing runs every layer's forward again in the backward;
+                     the chunked loss recomputes its lm_head forward: + 2 * N * V * h
+Time of compute = FLOPs / (peak * efficiency), with the efficiencies of `hardware.Assumptions`.
+
+Communication (bandwidth b of the group's link, see hardware.link_gbps, x link efficiency):
+  ring, per layer and pass: cp steps; step s computes 1/cp of the layer's attention while K/V
+    (m_kv = 2*N*kv*c bytes) travel to the next rank, so a step takes max(compute, m_kv / b). The
+    backward also sends the fp32 dK/dV accumulators (m_dkv = 2*N*kv*4) one step behind; the last one is
+    exposed. Under checkpointing the recomputed forward runs the ring again.
+  all-gather: no overlap: forward (cp-1)*m_kv / b, backward the same again + (cp-1)*m_dkv / b.
+  FSDP2, per layer: all-gather P_l*c*(S-1)/S (forward, and again in the backward), reduce-scatter of
+    fp32 gradients P_l*4*(S-1)/S, prefetched: a layer takes max(its compute, its collectives).
+  DDP (no FSDP): all-reduce 2*P_t*4*(W-1)/W, overlapped with the backward.
+  optimizer: AdamW reads and writes 28 bytes per trainable parameter (of its shard) at HBM speed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from longdoc.bench.hardware import Assumptions, link_gbps
+from longdoc.bench.memory import Setup
+
+
+@dataclass
+class StepTime:
+    flops: dict[str, float]  # per rank
+    seconds: dict[str, float]  # compute, exposed communication, optimizer: they add up to `total`
+    passes: dict[str, float]  # forward and backward (recompute included), communication overlapped
+    comm_bytes: dict[str, float]  # per rank per step
+    total: float
+    tokens_per_s: float  # whole job: dp * B * L / total
+    tokens_per_s_per_device: float
+
+
+def _ring_pass(compute: float, cp: int, step_bytes: float, tail_bytes: float, bw: float, lat: float) -> float:
+    """One ring pass over cp steps: each step max(its compute, its message), plus an exposed tail message."""
+    if cp == 1:
+        return compute
+    per_step = compute / cp
+    msg = step_bytes / bw + lat
+    tail = tail_bytes / bw + lat if tail_bytes else 0.0
+    return (cp - 1) * max(per_step, msg) + per_step + tail
+
+
+def estimate_time(s: Setup, interconnect: str = "nvlink", assume: Assumptions | None = None) -> StepTime:
+    assume = assume or Assumptions()
+    sh, dev, n, c = s.shape, s.dev, s.tokens, s.c
+    peak = dev.peak_tflops * 1e12
+    mm_rate, attn_rate = peak * assume.matmul_efficiency, peak * assume.attention_efficiency
+    lat = assume.latency_s
+    bw_cp = link_gbps(dev, interconnect, s.cp) * 1e9 * assume.link_efficiency
+    bw_all = link_gbps(dev, interconnect, s.world) * 1e9 * assume.link_efficiency
+
+    p_mm = sh.params.matmul
+    dense_f = 2.0 * n * p_mm
+    dense_b = dense_f * (1.0 if s.lora else 2.0)
+    layers_f = 2.0 * n * sh.params.layers
+    balance = (2 * s.cp - 1) / s.cp if s.layout == "contiguous" and s.cp > 1 else 1.0
+    attn_f_layer = 2.0 * s.micro_batch * s.padded_len**2 * sh.q / s.cp * balance
+    attn_b_layer = 2.5 * attn_f_layer
+    recompute_dense = (layers_f if s.checkpointing else 0.0) + (2.0 * n * sh.vocab * sh.hidden if s.loss_chunk else 0.0)
+    flops = {"dense": dense_f + dense_b, "attention": sh.layers * (attn_f_layer + attn_b_layer),
+             "recompute": recompute_dense + (sh.layers * attn_f_layer if s.checkpointing else 0.0)}
+
+    # Attention per layer with its CP communication overlapped (ring) or not (all-gather).
+    m_kv, m_dkv = 2.0 * n * sh.kv * c, 2.0 * n * sh.kv * 4
+    t_af, t_ab = attn_f_layer / attn_rate, attn_b_layer / attn_rate
+    if s.strategy == "ring":
+        fwd = _ring_pass(t_af, s.cp, m_kv, 0.0, bw_cp, lat)
+        bwd = _ring_pass(t_ab, s.cp, m_kv + m_dkv, m_dkv, bw_cp, lat)
+    else:
+        gather = (s.cp - 1) * (m_kv / bw_cp + lat) if s.cp > 1 else 0.0
+        scatter = (s.cp - 1) * (m_dkv / bw_cp + lat) if s.cp > 1 else 0.0
+        fwd, bwd = t_af + gather, t_ab + gather + scatter
+    attn_fwd_s = fwd
+    attn_bwd_s = bwd + (fwd if s.checkpointing else 0.0)
+
+    # Dense compute per layer, then FSDP's per-layer collectives overlapped with the whole layer.
+    per_layer_dense_f = 2.0 * n * sh.params.layer / mm_rate
+    per_layer_dense_b = per_layer_dense_f * (1.0 if s.lora else 2.0) + (per_layer_dense_f if s.checkpointing else 0.0)
+    layer_f = per_layer_dense_f + attn_fwd_s
+    layer_b = per_layer_dense_b + attn_bwd_s
+    comm_bytes = {"cp": sh.layers * ((s.cp - 1) * m_kv * (3 if s.checkpointing else 2) + s.cp * m_dkv)
+                  if s.cp > 1 else 0.0}
+    if s.uses_fsdp:
+        frac = (s.shards - 1) / s.shards
+        ag = sh.params.layer * c * frac / bw_all + lat
+        rs = sh.params.layer * 4 * frac / bw_all + lat
+        body_f, body_b = sh.layers * max(layer_f, ag), sh.layers * max(layer_b, ag + rs)
+        comm_bytes["fsdp"] = sh.params.total * frac * (2 * c + 4)
+    else:
+        body_f, body_b = sh.layers * layer_f, sh.layers * layer_b
+        if s.uses_ddp:
+            allreduce = 2 * s.trainable * 4 * (s.world - 1) / s.world
+            comm_bytes["ddp"] = allreduce
+            body_b = max(body_b, allreduce / bw_all)
+    head_f = 2.0 * n * (p_mm - sh.params.layers) / mm_rate
+    head_b = head_f * (1.0 if s.lora else 2.0) + (head_f if s.loss_chunk else 0.0)
+    optimizer = 28.0 * s.trainable / s.shards / (dev.hbm_gbps * 1e9)
+    passes = {"forward": body_f + head_f, "backward": body_b + head_b}
+    total = passes["forward"] + passes["backward"] + optimizer
+    compute = (flops["dense"] + recompute_dense) / mm_rate + (flops["attention"] + flops["recompute"]
+                                                              - recompute_dense) / attn_rate
+    seconds = {"compute": compute, "exposed_comm": max(0.0, total - optimizer - compute), "optimizer": optimizer}
+    tokens = s.dp * s.micro_batch * s.seq_len
+    return StepTime(flops=flops, seconds=seconds, passes=passes, comm_bytes=comm_bytes, total=total,
+                    tokens_per_s=tokens / total, tokens_per_s_per_device=tokens / total / s.world)
