@@ -15,6 +15,7 @@ VERB_MODULES: list[str] = [
     "longdoc.bench.cli",
     "longdoc.hf.verify",
     "longdoc.train.cli",
+    "longdoc.eval.cli",
 ]
 
 

@@ -99,6 +99,50 @@ def _worker(rank: int, world: int) -> dict:
                                  nll=score.nll, ref_nll=ref_nll, argmax_tokens=score.argmax_tokens,
                                  ref_argmax_tokens=int((ref_argmax == a[0]).sum()))
     out["repatched"] = (longdoc.hf.is_patched(model), model.config._attn_implementation)
+    out.update(_eval_pipeline(cp))
+    return out
+
+
+def _eval_pipeline(cp) -> dict:
+    """qa.evaluate and position.evaluate at CP=2 against plain single-process runs of the same ids."""
+    import torch.nn.functional as F
+
+    from longdoc.eval import position, qa
+    from longdoc.eval.prompts import Prompter
+    from longdoc.models import load
+
+    model, tok = load("tiny:llama", seed=3)  # the real tokenizer's vocabulary
+    model.eval()
+    doc = " ".join(f"Entry {i}: the clerk filed motion {i * 7 % 31} on day {i}." for i in range(60))
+    record = {"id": "d0", "domain": "legal", "num_tokens": 900, "document": doc,
+              "qa": [{"kind": "lookup", "question": "Which motion was filed on day 5?", "answer": "motion 4",
+                      "depth": 0.1}, {"kind": "count", "question": "How many entries?", "answer": "60", "depth": 0.9}]}
+    rows = qa.evaluate(model, tok, [record], cp, max_new_tokens=6, progress=False)
+    p = Prompter(tok)
+    ref = []
+    for q in record["qa"]:
+        prompt = torch.tensor([p.prefix(doc) + p.suffix(q["question"])])
+        tokens, _ = reference_greedy(model, prompt, 6)
+        nll, _ = reference_nll(model, prompt, torch.tensor([p.answer(q["answer"])]))
+        ref.append((p.decode_answer(tokens[0].tolist()), nll))
+    out = {"qa_rows": [(r["prediction"], r["nll"]) for r in rows], "qa_ref": ref}
+
+    texts = [doc, doc[::-1], "too short"]
+    res = position.evaluate(model, tok, cp, {"length": 301, "buckets": 7, "texts": texts})
+    sums = torch.zeros(7, 2, dtype=torch.float64)
+    edges = torch.tensor(res["edges"][1:-1])
+    for text in texts:
+        ids = tok(text)["input_ids"][:301]
+        if len(ids) < 301:
+            continue
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].double()
+        ce = F.cross_entropy(logits, torch.tensor(ids[1:]), reduction="none")
+        b = torch.bucketize(torch.arange(1, 301), edges, right=True)
+        sums[:, 0].index_add_(0, b, ce)
+        sums[:, 1].index_add_(0, b, torch.ones_like(ce))
+    out["pl"] = (res["mean_loss"], (sums[:, 0] / sums[:, 1]).tolist(), res["documents"], res["skipped"],
+                 res["tokens"], sums[:, 1].tolist())
     return out
 
 
@@ -125,6 +169,21 @@ def test_teacher_forced_nll_matches_single_forward(results, case):
         r = res[case]
         assert abs(r["nll"] - r["ref_nll"]) < NLL_TOL, (r["nll"], r["ref_nll"])
         assert r["argmax_tokens"] == r["ref_argmax_tokens"]
+
+
+def test_qa_pipeline_matches_single_process(results):
+    for res in results:
+        assert [r[0] for r in res["qa_rows"]] == [r[0] for r in res["qa_ref"]]
+        for (_, nll), (_, ref) in zip(res["qa_rows"], res["qa_ref"]):
+            assert abs(nll - ref) < NLL_TOL
+
+
+def test_position_loss_matches_single_process(results):
+    for res in results:
+        means, ref, docs, skipped, tokens, ref_tokens = res["pl"]
+        assert (docs, skipped) == (2, 1)
+        assert tokens == ref_tokens and sum(tokens) == 2 * 300
+        assert max(abs(a - b) for a, b in zip(means, ref)) < 1e-5
 
 
 def test_patched_model_is_repatched(results):

@@ -1,0 +1,143 @@
+"""`longdoc eval qa | needle | position-loss | compare`: long-document evaluation on the CP machinery.
+
+    longdoc eval qa --model SmolLM2-135M-Instruct --data legal.jsonl medical.jsonl --cp 2
+    longdoc eval needle --model runs/demo/final --domain legal --lengths 1024,2048,4096 --cp 2
+    longdoc eval position-loss --model runs/demo/final --data legal.jsonl --length 4096 --cp 2
+    longdoc eval compare reports/qa-base reports/qa-tuned           # two run folders, or two models:
+    longdoc eval compare SmolLM2-135M-Instruct runs/demo/final --names base tuned --data qa.jsonl --cp 2
+
+--cp N on one machine spawns N local gloo ranks. Under a launcher (`accelerate launch --multi_gpu
+--num_processes N -m longdoc eval ...` or torchrun) every process is one rank and --cp must equal N.
+Each run writes one folder (default reports/<task>-<model>-<time>) with results.json, summary.md
+and PNGs, and prints its path.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _ints(text: str) -> list[int]:
+    """'1024,2k,4k' -> [1024, 2048, 4096] (k = 1024 tokens)."""
+    try:
+        return [int(float(x[:-1]) * 1024) if x.lower().endswith("k") else int(x)
+                for x in (t.strip() for t in text.split(",")) if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts (e.g. 1024,2k,4k), got {text!r}"
+                                         ) from None
+
+
+def _common(p: argparse.ArgumentParser, model: bool = True) -> None:
+    if model:
+        p.add_argument("--model", default="SmolLM2-135M-Instruct",
+                       help="model name, folder, .gguf, hub id or tiny:<arch> (default: %(default)s)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel ranks (default: %(default)s)")
+    p.add_argument("--out", default=None, help="run folder (default: reports/<task>-<model>-<time>)")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default: %(default)s)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto = CUDA under a launcher when available, else CPU")
+    p.add_argument("--strategy", default="ring", choices=("ring", "allgather"), help="CP attention for the prefill")
+    p.add_argument("--layout", default="zigzag", choices=("zigzag", "contiguous"))
+    p.add_argument("--threads", type=int, default=None, help="torch threads per spawned rank (default: cores / cp)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds any collective may wait (default: %(default)s)")
+
+
+def _qa_args(p: argparse.ArgumentParser, required: bool) -> None:
+    p.add_argument("--data", nargs="+", required=required, help="QA jsonl file(s) from `longdoc data synth`")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--limit-docs", type=int, default=None, help="first N documents per file")
+    p.add_argument("--limit-questions", type=int, default=None, help="first N questions per document")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="use the chat template (default: when the tokenizer has one)")
+
+
+def _needle_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--domain", default="legal", choices=("legal", "medical"), help="filler text domain")
+    p.add_argument("--lengths", type=_ints, default=[1024, 2048, 4096], help="context lengths, e.g. 1k,2k,4k")
+    p.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths in [0, 1]")
+    p.add_argument("--repeats", type=int, default=1, help="needles per cell (different values and haystacks)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _position_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--length", type=_ints, default=[4096], help="tokens per document (longer ones are cut)")
+    p.add_argument("--buckets", type=int, default=16, help="position buckets (default: %(default)s)")
+    p.add_argument("--num-docs", type=int, default=4, help="documents to generate when --pl-data is not given")
+    p.add_argument("--pl-data", nargs="+", default=None, dest="pl_data",
+                   help="jsonl with 'document' or 'text' (default: generated --domain documents)")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    ev = subparsers.add_parser("eval", help="evaluate long-context use: QA, needle, loss by position, compare",
+                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ev.add_subparsers(dest="eval_cmd", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("qa", help="document QA: EM/F1 (generation) and answer NLL (teacher forcing)")
+    _common(p)
+    _qa_args(p, required=True)
+    p.set_defaults(func=_run_task, task="qa")
+
+    p = sub.add_parser("needle", help="needle in a haystack: accuracy grid (length x depth) and heatmap")
+    _common(p)
+    _needle_args(p)
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.set_defaults(func=_run_task, task="needle")
+
+    p = sub.add_parser("position-loss", help="mean token loss by position over long documents, curve PNG")
+    _common(p)
+    p.add_argument("--data", nargs="+", default=None, dest="pl_data", help="jsonl with 'document' or 'text'")
+    p.add_argument("--domain", default="legal", choices=("legal", "medical"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--length", type=_ints, default=[4096], help="tokens per document (longer ones are cut)")
+    p.add_argument("--buckets", type=int, default=16)
+    p.add_argument("--num-docs", type=int, default=4, help="documents to generate when --data is not given")
+    p.set_defaults(func=_run_task, task="position-loss")
+
+    p = sub.add_parser("compare", help="base vs fine-tuned side by side: two run folders, or two models to evaluate")
+    p.add_argument("a", help="run folder (or suite folder) or model of the first side (e.g. the base model)")
+    p.add_argument("b", help="run folder or model of the second side (e.g. the fine-tuned model)")
+    p.add_argument("--names", nargs=2, default=None, metavar=("A", "B"), help="labels (default: base, tuned)")
+    p.add_argument("--tasks", default="qa,needle,position-loss",
+                   help="tasks to run when A/B are models (default: %(default)s)")
+    _common(p, model=False)
+    _qa_args(p, required=False)
+    _needle_args(p)
+    _position_args(p)
+    p.set_defaults(func=_run_compare, task="compare")
+
+
+def config(args: argparse.Namespace) -> dict[str, Any]:
+    """The task config shipped to every rank: the parsed arguments as plain data."""
+    from longdoc.eval.runner import check_dtype
+
+    cfg = {k: v for k, v in vars(args).items() if k not in ("func", "verb", "eval_cmd")}
+    check_dtype(cfg["dtype"])
+    if isinstance(cfg.get("length"), list):
+        cfg["length"] = cfg["length"][0]
+    return cfg
+
+
+def _run_task(args: argparse.Namespace) -> int:
+    from longdoc.eval import tasks
+
+    path = tasks.run_and_report(args.task, config(args))
+    if path is not None:
+        print(f"report: {path}")
+    return 0
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    from longdoc.eval import compare
+
+    path = compare.main(config(args))
+    if path is not None:
+        print(f"report: {path}")
+    return 0

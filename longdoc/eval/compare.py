@@ -1,0 +1,151 @@
+"""`longdoc eval compare A B`: two models (or two finished runs) side by side - tables and plots.
+
+A and B are each either a run folder (results.json), a folder of run folders (one per task, as this
+command writes them), or a model to evaluate now with --tasks (default qa, needle, position-loss):
+
+    longdoc eval compare SmolLM2-135M-Instruct runs/demo/final --names base tuned \
+        --data demo-qa.jsonl --lengths 1k,2k --length 2048 --cp 2 --out reports/demo-compare
+
+writes reports/demo-compare/{base,tuned}/<task>/ (each a normal run folder) and, at the top,
+results.json, summary.md and compare_*.png for the tasks both sides have.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from longdoc.eval import plots, report, tasks
+
+_QA_METRICS = [("em", "EM"), ("f1", "F1"), ("contains", "contains"), ("nll_per_token", "NLL/token"),
+               ("tf_em", "TF-EM")]
+
+
+def find_runs(path: str | Path) -> dict[str, Path] | None:
+    """task -> run folder for a run folder or a folder of them; None when `path` is not one (a model)."""
+    p = Path(path)
+    if (p / report.RESULTS).is_file():
+        return {report.load_results(p).get("task", "?"): p}
+    if p.is_dir():
+        subs = {}
+        for child in sorted(p.iterdir()):
+            if (child / report.RESULTS).is_file():
+                subs[report.load_results(child).get("task", child.name)] = child
+        return subs or None
+    return None
+
+
+def _names(cfg: dict[str, Any]) -> tuple[str, str]:
+    if cfg.get("names"):
+        return tuple(cfg["names"])  # type: ignore[return-value]
+    a, b = (re.sub(r"[^A-Za-z0-9._-]+", "-", Path(str(x).rstrip("/")).name) or "model" for x in (cfg["a"], cfg["b"]))
+    return (a, b) if a != b else ("A", "B")
+
+
+def _wanted(cfg: dict[str, Any]) -> list[str]:
+    wanted = [t.strip() for t in str(cfg.get("tasks", "")).split(",") if t.strip()]
+    for t in wanted:
+        tasks.module(t)  # validates the name
+    if "qa" in wanted and not cfg.get("data"):
+        raise ValueError("compare: the qa task needs --data FILE.jsonl (`longdoc data synth ...`); or leave it out "
+                         "with --tasks needle,position-loss")
+    if not wanted:
+        raise ValueError("compare: --tasks is empty; choose from " + ", ".join(tasks.TASKS))
+    return wanted
+
+
+def _qa(a: dict, b: dict, names: tuple[str, str], out: Path) -> tuple[dict, list[str]]:
+    sa, sb = a["summary"], b["summary"]
+    overall = {k: {"a": sa["overall"].get(k), "b": sb["overall"].get(k)} for k, _ in _QA_METRICS}
+    rows = [[label, overall[k]["a"], overall[k]["b"], _delta(overall[k]["a"], overall[k]["b"])]
+            for k, label in _QA_METRICS]
+    md = ["## Document QA\n", report.table(["metric", *names, "delta"], rows), ""]
+    data: dict[str, Any] = {"overall": overall}
+    for key, label in (("by_kind", "question kind"), ("by_length", "document length"), ("by_depth", "evidence depth")):
+        groups = list(dict.fromkeys([*sa[key], *sb[key]]))
+        data[key] = {g: {m: {"a": sa[key].get(g, {}).get(m), "b": sb[key].get(g, {}).get(m)} for m in ("em", "f1")}
+                     for g in groups}
+        md += [f"### By {label}\n", report.table(
+            [label, f"EM {names[0]}", f"EM {names[1]}", f"F1 {names[0]}", f"F1 {names[1]}", "F1 delta"],
+            [[g, d["em"]["a"], d["em"]["b"], d["f1"]["a"], d["f1"]["b"], _delta(d["f1"]["a"], d["f1"]["b"])]
+             for g, d in data[key].items()]), ""]
+    report.save_figure(plots.compare_qa_figure(sa, sb, names, "f1"), out / "compare_qa_f1.png")
+    md.append("![QA F1](compare_qa_f1.png)\n")
+    return data, md
+
+
+def _needle(a: dict, b: dict, names: tuple[str, str], out: Path) -> tuple[dict, list[str]]:
+    data = {"mean_accuracy": {"a": a["mean_accuracy"], "b": b["mean_accuracy"]},
+            "a": {k: a[k] for k in ("lengths", "depths", "accuracy")},
+            "b": {k: b[k] for k in ("lengths", "depths", "accuracy")}}
+    report.save_figure(plots.compare_needle_figure(a, b, names), out / "compare_needle.png")
+    md = ["## Needle in a haystack\n",
+          report.table(["", *names, "delta"], [["mean accuracy", a["mean_accuracy"], b["mean_accuracy"],
+                                                _delta(a["mean_accuracy"], b["mean_accuracy"])]]), ""]
+    from longdoc.eval.needle import grid_table
+
+    md += [f"{names[0]}:\n", grid_table(a), "", f"{names[1]}:\n", grid_table(b), "", "![needle](compare_needle.png)\n"]
+    return data, md
+
+
+def _position(a: dict, b: dict, names: tuple[str, str], out: Path) -> tuple[dict, list[str]]:
+    data = {k: {"a": a[k], "b": b[k]} for k in ("overall", "first_bucket", "last_bucket", "centers", "mean_loss")}
+    report.save_figure(plots.position_figure([(names[0], a), (names[1], b)], title="Loss by position"),
+                       out / "compare_position_loss.png")
+    rows = [[label, a[k], b[k], _delta(a[k], b[k])] for k, label in
+            (("overall", "mean loss"), ("first_bucket", "first bucket"), ("last_bucket", "last bucket"))]
+    md = ["## Loss by position (nats, lower is better)\n", report.table(["", *names, "delta"], rows), "",
+          "![loss by position](compare_position_loss.png)\n"]
+    return data, md
+
+
+def _delta(a: Any, b: Any) -> float | None:
+    return None if a is None or b is None else b - a
+
+
+_SECTIONS = {"qa": _qa, "needle": _needle, "position-loss": _position}
+
+
+def write_comparison(runs_a: dict[str, Path], runs_b: dict[str, Path], names: tuple[str, str], out: Path) -> Path:
+    """results.json, summary.md and compare_*.png in `out` for the tasks both sides have."""
+    common = [t for t in _SECTIONS if t in runs_a and t in runs_b]
+    if not common:
+        raise ValueError(f"nothing to compare: {names[0]} has {sorted(runs_a)} and {names[1]} has {sorted(runs_b)}; "
+                         f"both need runs of the same task")
+    results: dict[str, Any] = {"task": "compare", "names": list(names),
+                               "runs": {"a": {t: str(p) for t, p in runs_a.items()},
+                                        "b": {t: str(p) for t, p in runs_b.items()}}}
+    md = [f"# {names[0]} vs {names[1]}\n"]
+    md += [f"- {n}: `{report.load_results(r[common[0]]).get('model', '?')}`" for n, r in zip(names, (runs_a, runs_b))]
+    md.append("")
+    for t in common:
+        data, lines = _SECTIONS[t](report.load_results(runs_a[t]), report.load_results(runs_b[t]), names, out)
+        results[t] = data
+        md += lines
+    report.write_json(out / report.RESULTS, results)
+    report.write_text(out / report.SUMMARY, "\n".join(md) + "\n")
+    return out
+
+
+def main(cfg: dict[str, Any]) -> Path | None:
+    """The `longdoc eval compare` command; returns the folder in the process that wrote it."""
+    names = _names(cfg)
+    out = Path(cfg.get("out") or report.default_run_dir("compare", f"{names[0]}-vs-{names[1]}"))
+    sides: list[dict[str, Path] | None] = [find_runs(cfg["a"]), find_runs(cfg["b"])]
+    to_run = [(name, str(m)) for name, m, runs in zip(names, (cfg["a"], cfg["b"]), sides) if runs is None]
+    if to_run:
+        # Both models in one start of the ranks: each is loaded once and runs every task.
+        overrides = {"needle": {"max_new_tokens": min(int(cfg.get("max_new_tokens") or 16), 16)}}
+        done = tasks.run_suite(to_run, _wanted(cfg), cfg, out, overrides)
+        if done is None:
+            return None  # not rank 0: the folders are written there
+        sides = [runs if runs is not None else done[name] for name, runs in zip(names, sides)]
+    from longdoc.eval.runner import under_launcher
+
+    if under_launcher():
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return None
+    return write_comparison(sides[0], sides[1], names, out)

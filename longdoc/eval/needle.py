@@ -1,0 +1,147 @@
+"""Needle in a haystack: a planted fact at a chosen depth of generated legal / medical filler, and a question
+about it, over a grid of context lengths x depths. Accuracy grid as JSON and a heatmap PNG.
+
+    longdoc eval needle --model M --domain legal --lengths 1k,2k,4k --depths 0,0.25,0.5,0.75,1 --cp 2
+
+The haystack is a `longdoc data synth` document of the domain cut to the cell's length (its facts are
+about the case, never about the needle). The needle is one sentence with a fresh random 5-digit value
+per cell, placed at the sentence boundary at or before the requested depth; the cell's "length" is
+the document's token count with the needle in it (the prompt adds the instruction and the question).
+A cell is correct when the value appears, as a whole word, in the greedy answer.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from longdoc.eval import data, metrics, plots, report
+from longdoc.eval.prompts import Prompter
+from longdoc.hf.generate import KVSession
+from longdoc.parallel.api import ContextParallel
+
+NEEDLES = {
+    "legal": [("The combination of the evidence safe in the clerk's office is {value}.",
+               "What is the combination of the evidence safe in the clerk's office?"),
+              ("The parking permit number issued to the court reporter is {value}.",
+               "What is the parking permit number issued to the court reporter?")],
+    "medical": [("The access code for the patient's records cabinet is {value}.",
+                 "What is the access code for the patient's records cabinet?"),
+                ("The locker number assigned to the patient's belongings is {value}.",
+                 "What is the locker number assigned to the patient's belongings?")],
+}
+
+
+def haystacks(domain: str, tokens: int, count: int, seed: int, tokenizer: Any) -> list[str]:
+    """`count` filler documents of at least `tokens` tokens (deterministic in domain, tokens, seed)."""
+    return data.synth_documents(domain, int(tokens * 1.05) + 64, count, seed, tokenizer)
+
+
+def plant(haystack: str, needle: str, length: int, depth: float, tokenizer: Any) -> tuple[str, float, int]:
+    """The haystack cut so that haystack + needle is about `length` tokens, with the needle at the sentence
+    boundary at or before `depth`; returns (document, actual depth in tokens, document tokens)."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"needle depths must be in [0, 1], got {depth}")
+    enc = tokenizer(haystack, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+    offsets = enc["offset_mapping"]
+    room = length - len(tokenizer(" " + needle, add_special_tokens=False)["input_ids"]) - 1
+    if room < 1 or room > len(offsets):
+        raise ValueError(f"cannot fit a {length}-token context from a {len(offsets)}-token haystack")
+    text = haystack[: offsets[room - 1][1]]
+    if depth >= 1.0:
+        pos, doc = len(text), text + "\n" + needle
+    else:
+        c = offsets[min(int(round(depth * room)), room - 1)][0] if depth > 0 else 0
+        # The sentence boundary at or before c: right after a newline, or after ". ".
+        newline, stop = text.rfind("\n", 0, c), text.rfind(". ", 0, c)
+        pos = max(newline + 1 if newline >= 0 else 0, stop + 2 if stop >= 0 else 0)
+        sep = "\n" if pos == 0 or text[pos - 1] == "\n" else " "
+        doc = text[:pos] + needle + sep + text[pos:]
+    n_doc = len(tokenizer(doc, add_special_tokens=False)["input_ids"])
+    before = len(tokenizer(doc[:pos], add_special_tokens=False)["input_ids"]) if pos else 0
+    return doc, before / max(n_doc, 1), n_doc
+
+
+def _cells(cfg: dict[str, Any]) -> list[tuple[int, int, float, int]]:
+    return [(j, i, d, r) for j, _ in enumerate(cfg["lengths"]) for i, d in enumerate(cfg["depths"])
+            for r in range(cfg.get("repeats", 1))]
+
+
+def evaluate(model: torch.nn.Module, tokenizer: Any, cp: ContextParallel, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The accuracy grid (identical on every rank)."""
+    from tqdm.auto import tqdm
+
+    domain, lengths, depths, repeats = cfg["domain"], cfg["lengths"], cfg["depths"], cfg.get("repeats", 1)
+    seed = cfg.get("seed", 0)
+    prompter = Prompter(tokenizer, chat=cfg.get("chat"))
+    stops = prompter.stop_ids()
+    device = next(model.parameters()).device
+    stacks = haystacks(domain, max(lengths), repeats, seed, tokenizer)
+    hits = [[[] for _ in lengths] for _ in depths]
+    cells = []
+    todo = _cells(cfg)
+    for j, i, depth, r in tqdm(todo, desc="needle", unit="cell", disable=cp.rank != 0, dynamic_ncols=True):
+        length = lengths[j]
+        rng = random.Random(f"needle:{domain}:{seed}:{length}:{depth}:{r}")
+        value = str(rng.randrange(10000, 100000))
+        sentence, question = NEEDLES[domain][r % len(NEEDLES[domain])]
+        needle = sentence.format(value=value)
+        doc, actual, n_doc = plant(stacks[r], needle, length, depth, tokenizer)
+        ids = torch.tensor([prompter.prefix(doc) + prompter.suffix(question)], device=device)
+        with KVSession(model, cp, strategy=cfg.get("strategy", "ring")) as session:
+            gen = session.greedy(session.prefill(ids), cfg.get("max_new_tokens", 16), eos_token_id=stops)
+        prediction = prompter.decode_answer(gen.tokens[0].tolist())
+        correct = metrics.contains_answer(prediction, value)
+        hits[i][j].append(correct)
+        cells.append({"length": length, "depth": depth, "repeat": r, "doc_tokens": n_doc, "actual_depth": actual,
+                      "prompt_tokens": ids.shape[1], "needle": needle, "question": question, "answer": value,
+                      "prediction": prediction, "correct": correct})
+    accuracy = [[metrics.mean(h) for h in row] for row in hits]
+    return {"task": "needle", "domain": domain, "lengths": list(lengths), "depths": list(depths), "repeats": repeats,
+            "seed": seed, "accuracy": accuracy, "mean_accuracy": metrics.mean(c["correct"] for c in cells),
+            "cells": cells}
+
+
+def task(model: torch.nn.Module, tokenizer: Any, cp: ContextParallel, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The `longdoc eval needle` task (see longdoc.eval.runner)."""
+    return evaluate(model, tokenizer, cp, cfg)
+
+
+def check(cfg: dict[str, Any]) -> None:
+    if cfg.get("domain") not in NEEDLES:
+        raise ValueError(f"--domain must be one of {', '.join(NEEDLES)}, got {cfg.get('domain')!r}")
+    if not cfg.get("lengths") or min(cfg["lengths"]) < 64:
+        raise ValueError(f"--lengths must be token counts >= 64, got {cfg.get('lengths')}")
+    if not cfg.get("depths") or any(not 0 <= d <= 1 for d in cfg["depths"]):
+        raise ValueError(f"--depths must be fractions in [0, 1] (0 = start, 1 = end), got {cfg.get('depths')}")
+    if cfg.get("repeats", 1) < 1:
+        raise ValueError(f"--repeats must be >= 1, got {cfg['repeats']}")
+
+
+def grid_table(data: dict[str, Any]) -> str:
+    header = ["depth \\ length"] + [str(n) for n in data["lengths"]]
+    rows = [[f"{100 * d:.0f}%"] + list(row) for d, row in zip(data["depths"], data["accuracy"])]
+    return report.table(header, rows, digits=2)
+
+
+def write_report(run_dir: str | Path, results: dict[str, Any]) -> Path:
+    """results.json, needle.png (drawn from results.json as written) and summary.md."""
+    run_dir = Path(run_dir)
+    report.write_json(run_dir / report.RESULTS, results)
+    written = report.load_results(run_dir)
+    title = f"Needle in a haystack ({written['domain']}): {written['model']}"
+    report.save_figure(plots.needle_figure(written, title=title), run_dir / "needle.png")
+    misses = [c for c in written["cells"] if not c["correct"]][:10]
+    md = [report.run_header(f"Needle in a haystack ({written['domain']})", written),
+          f"Mean accuracy: **{report.fmt(written['mean_accuracy'], 3)}** over {len(written['cells'])} cells "
+          f"({written['repeats']} needle(s) per cell). Rows: needle depth (0% = start of the document); "
+          "columns: context length in tokens.\n", grid_table(written), "", "![needle](needle.png)", "",
+          "## Misses (first 10)\n",
+          report.table(["length", "depth", "answer", "prediction"],
+                       [[c["length"], f"{100 * c['actual_depth']:.0f}%", c["answer"],
+                         c["prediction"][:70].replace("|", "/")] for c in misses])]
+    report.write_text(run_dir / report.SUMMARY, "\n".join(md) + "\n")
+    return run_dir

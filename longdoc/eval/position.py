@@ -1,0 +1,125 @@
+"""Loss by position: mean token loss in position buckets over long documents, and its curve.
+
+    longdoc eval position-loss --model M --data legal.jsonl --length 4096 --buckets 16 --cp 2
+
+The quickest evidence that far context helps: if the model uses it, the loss keeps falling with the
+position; if it does not, the curve goes flat (or up, past the trained context). Each document is cut
+to --length tokens (shorter ones are skipped, so every bucket averages the same documents) and run in
+one CP forward; each rank takes the cross-entropy of the tokens it holds and adds it to the bucket of
+the predicted token's position, and one all-reduce of (buckets x 2) numbers sums the ranks. The full
+logits are never gathered.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from longdoc.eval import data, plots, report
+from longdoc.parallel import comm
+from longdoc.parallel.api import ContextParallel
+
+_CE_ROWS = 2048  # cross-entropy in row chunks: never a second full fp32 copy of the logits
+
+
+def _texts(cfg: dict[str, Any], tokenizer: Any) -> list[str]:
+    if cfg.get("texts"):  # programmatic use: the documents themselves
+        return list(cfg["texts"])
+    if cfg.get("pl_data"):
+        return data.read_texts(cfg["pl_data"])
+    return data.synth_documents(cfg.get("domain", "legal"), int(cfg["length"] * 1.05) + 16, cfg.get("num_docs", 4),
+                                cfg.get("seed", 0), tokenizer)
+
+
+def token_losses(model: torch.nn.Module, cp: ContextParallel, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, position) of this rank's predicted tokens for one sequence (1, n): loss[k] = -log p(token at
+    position[k] | tokens before it), positions 1..n-1 spread over the ranks."""
+    from longdoc.hf.prefill import prefill
+
+    local = cp.shard_batch({"input_ids": ids, "labels": ids})
+    targets, positions = local["shift_labels"][0], local["position_ids"][0]
+    logits = prefill(model, cp, {"input_ids": ids})[0]  # (local_len, vocab)
+    keep = torch.nonzero(targets != -100).flatten()
+    losses = torch.cat([F.cross_entropy(logits[rows].float(), targets[rows], reduction="none")
+                        for rows in keep.split(_CE_ROWS)]) if keep.numel() else logits.new_zeros(0)
+    return losses, positions[keep] + 1  # the loss at t predicts the token at t + 1
+
+
+def evaluate(model: torch.nn.Module, tokenizer: Any, cp: ContextParallel, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Bucketed mean loss (identical on every rank)."""
+    from tqdm.auto import tqdm
+
+    from longdoc.hf import is_patched, patch, unpatch
+
+    length, buckets = int(cfg["length"]), int(cfg.get("buckets", 16))
+    device = next(model.parameters()).device
+    texts = _texts(cfg, tokenizer)
+    edges = torch.linspace(1, length, buckets + 1).round().long().tolist()  # predicted positions 1..length-1
+    sums = torch.zeros(buckets, 2, dtype=torch.float64, device=device)  # (loss sum, tokens)
+    used = skipped = 0
+    was_patched = is_patched(model)
+    patch(model, cp, strategy=cfg.get("strategy", "ring"))
+    try:
+        for text in tqdm(texts, desc="position-loss", unit="doc", disable=cp.rank != 0, dynamic_ncols=True):
+            ids = tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"][:length]
+            if len(ids) < length:
+                skipped += 1
+                continue
+            with torch.no_grad():
+                losses, pos = token_losses(model, cp, torch.tensor([ids], device=device))
+            b = (torch.bucketize(pos, torch.tensor(edges[1:-1], device=pos.device), right=True)).to(device)
+            sums[:, 0].index_add_(0, b, losses.double().to(device))
+            sums[:, 1].index_add_(0, b, torch.ones_like(losses, dtype=torch.float64).to(device))
+            used += 1
+    finally:
+        if not was_patched:
+            unpatch(model)
+    if cp.size > 1:
+        comm.Pending([dist.all_reduce(sums, group=cp.group, async_op=True)], cp.timeout, "all-reduce").wait()
+    if not used:
+        raise ValueError(f"no document has {length} tokens ({skipped} shorter ones skipped); lower --length or "
+                         f"pass longer documents")
+    means = [float(s / n) if n else None for s, n in sums.tolist()]
+    return {"task": "position-loss", "length": length, "buckets": buckets, "documents": used, "skipped": skipped,
+            "edges": edges, "centers": [(lo + hi) / 2 for lo, hi in zip(edges[:-1], edges[1:])],
+            "mean_loss": means, "tokens": [int(n) for _, n in sums.tolist()],
+            "overall": float(sums[:, 0].sum() / sums[:, 1].sum()),
+            "first_bucket": means[0], "last_bucket": means[-1]}
+
+
+def task(model: torch.nn.Module, tokenizer: Any, cp: ContextParallel, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The `longdoc eval position-loss` task (see longdoc.eval.runner)."""
+    return evaluate(model, tokenizer, cp, cfg)
+
+
+def check(cfg: dict[str, Any]) -> None:
+    if int(cfg.get("length", 0)) < 2 * int(cfg.get("buckets", 16)):
+        raise ValueError(f"--length ({cfg.get('length')}) must be at least twice --buckets ({cfg.get('buckets')})")
+    for path in cfg.get("pl_data") or []:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"data file {path} does not exist")
+
+
+def write_report(run_dir: str | Path, results: dict[str, Any]) -> Path:
+    """results.json, position_loss.png (drawn from results.json as written) and summary.md."""
+    run_dir = Path(run_dir)
+    report.write_json(run_dir / report.RESULTS, results)
+    w = report.load_results(run_dir)
+    report.save_figure(plots.position_figure([(w["model"], w)], title=f"Loss by position: {w['model']}"),
+                       run_dir / "position_loss.png")
+    rows = [[f"{lo}-{hi - 1}", n, v] for lo, hi, n, v in zip(w["edges"][:-1], w["edges"][1:], w["tokens"],
+                                                               w["mean_loss"])]
+    drop = None if w["first_bucket"] is None or w["last_bucket"] is None else w["first_bucket"] - w["last_bucket"]
+    md = [report.run_header("Loss by position", w),
+          f"{w['documents']} document(s) of {w['length']} tokens ({w['skipped']} shorter skipped). Mean loss "
+          f"{report.fmt(w['overall'])} nats; first bucket {report.fmt(w['first_bucket'])}, last "
+          f"{report.fmt(w['last_bucket'])} (drop {report.fmt(drop)}).\n",
+          report.table(["predicted positions", "tokens", "mean loss"], rows), "",
+          "![loss by position](position_loss.png)"]
+    report.write_text(run_dir / report.SUMMARY, "\n".join(md) + "\n")
+    return run_dir
+

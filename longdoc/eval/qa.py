@@ -1,0 +1,175 @@
+"""Long-document QA: one CP prefill per document, then per question greedy generation (sharded KV cache)
+and teacher-forced answer scoring; metrics as in SQuAD / LongBench, broken down by question kind,
+document length, evidence depth and domain.
+
+    longdoc eval qa --model SmolLM2-135M-Instruct --data legal.jsonl --cp 2
+
+Records are `longdoc data synth` lines: {id, domain, num_tokens, document, qa: [{id, kind, question,
+answer, aliases, depth, ...}]}; any jsonl with "document" (or "text") and "qa" works.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from longdoc.eval import metrics, plots, report
+from longdoc.eval.prompts import Prompter
+from longdoc.eval.scoring import answer_score
+from longdoc.hf.generate import KVSession
+from longdoc.parallel.api import ContextParallel
+
+
+def read_records(path: str | Path, limit_docs: int | None = None, limit_questions: int | None = None
+                 ) -> list[dict[str, Any]]:
+    """QA records from a jsonl file, checked for the fields the evaluation needs."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            doc = rec.get("document", rec.get("text"))
+            if not isinstance(doc, str) or not isinstance(rec.get("qa"), list):
+                raise ValueError(f"{path}:{line_no}: a QA record needs a 'document' (or 'text') string and a 'qa' "
+                                 f"list of {{question, answer}}; make one with `longdoc data synth`")
+            for j, q in enumerate(rec["qa"]):
+                if not q.get("question") or q.get("answer") is None:
+                    raise ValueError(f"{path}:{line_no}: qa[{j}] needs 'question' and 'answer'")
+            rec = {**rec, "document": doc, "id": rec.get("id", f"doc{line_no}"), "qa": rec["qa"][:limit_questions]}
+            out.append(rec)
+            if limit_docs is not None and len(out) >= limit_docs:
+                break
+    if not out:
+        raise ValueError(f"{path} holds no QA records")
+    return out
+
+
+def _progress(total: int, cp: ContextParallel, desc: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="q", disable=cp.rank != 0, dynamic_ncols=True)
+
+
+def evaluate(model: torch.nn.Module, tokenizer: Any, records: Sequence[dict[str, Any]], cp: ContextParallel, *,
+             max_new_tokens: int = 32, strategy: str = "ring", chat: bool | None = None,
+             progress: bool = True) -> list[dict[str, Any]]:
+    """Per-question rows (identical on every rank). All ranks call this with the same records."""
+    prompter = Prompter(tokenizer, chat=chat)
+    stops = prompter.stop_ids()
+    device = next(model.parameters()).device
+    bar = _progress(sum(len(r["qa"]) for r in records), cp, "qa") if progress else None
+    rows: list[dict[str, Any]] = []
+    for rec in records:
+        prefix = torch.tensor([prompter.prefix(rec["document"])], device=device)
+        with KVSession(model, cp, strategy=strategy) as session:
+            session.prefill(prefix)
+            start = session.mark()
+            for qa in rec["qa"]:
+                suffix = torch.tensor([prompter.suffix(qa["question"])], device=device)
+                logits = session.extend(suffix)[:, -1]
+                asked = session.mark()
+                gen = session.greedy(logits, max_new_tokens, eos_token_id=stops)
+                session.rollback(asked)
+                answer = str(qa["answer"])
+                score = answer_score(session, logits, torch.tensor(prompter.answer(answer), device=device))
+                session.rollback(start)
+                golds = [answer, *[str(a) for a in qa.get("aliases") or []]]
+                prediction = prompter.decode_answer(gen.tokens[0].tolist())
+                rows.append({
+                    "doc_id": rec["id"], "qa_id": qa.get("id"), "domain": rec.get("domain", "-"),
+                    "kind": qa.get("kind", "-"), "template": qa.get("template"), "depth": qa.get("depth"),
+                    "doc_tokens": rec.get("num_tokens"), "prompt_tokens": prefix.shape[1] + suffix.shape[1],
+                    "question": qa["question"], "answer": answer, "aliases": golds[1:], "prediction": prediction,
+                    "em": metrics.exact_match(prediction, golds), "f1": metrics.token_f1(prediction, golds),
+                    "contains": metrics.contains_answer(prediction, golds),
+                    "nll": score.nll, "answer_tokens": score.tokens, "nll_per_token": score.mean_nll,
+                    "tf_em": float(score.argmax_match),
+                })
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(f1=f"{metrics.mean(r['f1'] for r in rows):.3f}")
+    if bar is not None:
+        bar.close()
+    return rows
+
+
+def _length(row: dict[str, Any]) -> str:
+    return metrics.length_bucket(int(row["doc_tokens"] or row["prompt_tokens"]))
+
+
+def _depth(row: dict[str, Any]) -> str:
+    return metrics.depth_bucket(float(row["depth"])) if row.get("depth") is not None else "-"
+
+
+def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Overall means and the breakdowns by kind, document length, evidence depth and domain."""
+    return {
+        "overall": metrics.summarize(rows),
+        "by_kind": metrics.breakdown(rows, lambda r: r["kind"]),
+        "by_length": metrics.breakdown(rows, _length),
+        "by_depth": metrics.breakdown(rows, _depth),
+        "by_domain": metrics.breakdown(rows, lambda r: r["domain"]),
+        "by_domain_length": metrics.breakdown(rows, lambda r: f"{r['domain']} {_length(r)}"),
+    }
+
+
+_COLUMNS = [("n", "n"), ("em", "EM"), ("f1", "F1"), ("contains", "contains"), ("nll_per_token", "NLL/token"),
+            ("tf_em", "TF-EM")]
+
+
+def breakdown_table(group: dict[str, dict[str, Any]], name: str) -> str:
+    return report.table([name] + [c[1] for c in _COLUMNS], [[g] + [s.get(k) for k, _ in _COLUMNS]
+                                                             for g, s in group.items()])
+
+
+def write_report(run_dir: str | Path, results: dict[str, Any]) -> Path:
+    """results.json, summary.md and qa.png in `run_dir`; the plot is drawn from the file as written."""
+    run_dir = Path(run_dir)
+    report.write_json(run_dir / report.RESULTS, results)
+    written = report.load_results(run_dir)
+    report.save_figure(plots.qa_figure(written["summary"], title=f"Document QA: {written['model']}"),
+                       run_dir / "qa.png")
+    s = written["summary"]
+    md = [report.run_header("Long-document QA", written),
+          "EM / F1: SQuAD normalization (lowercase, no punctuation or articles); contains: the gold answer occurs "
+          "in the prediction; NLL/token and TF-EM: teacher-forced answer negative log-likelihood and "
+          "exact match by argmax.\n",
+          "## Overall\n", breakdown_table({"all": s["overall"]}, "questions"), "",
+          "## By question kind\n", breakdown_table(s["by_kind"], "kind"), "",
+          "## By document length\n", breakdown_table(s["by_length"], "length"), "",
+          "## By evidence depth\n", breakdown_table(s["by_depth"], "depth"), "",
+          "## By domain and length\n", breakdown_table(s["by_domain_length"], "domain, length"), "",
+          "![QA](qa.png)", "", "## Examples\n", _examples(written["rows"])]
+    report.write_text(run_dir / report.SUMMARY, "\n".join(md) + "\n")
+    return run_dir
+
+
+def _examples(rows: Iterable[dict[str, Any]], n: int = 12) -> str:
+    picked = list(rows)[:n]
+    return report.table(["kind", "question", "gold", "prediction", "F1"],
+                        [[r["kind"], r["question"][:90], r["answer"][:40], r["prediction"][:60].replace("|", "/"),
+                          r["f1"]] for r in picked], digits=2)
+
+
+def task(model: torch.nn.Module, tokenizer: Any, cp: ContextParallel, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The `longdoc eval qa` task (see longdoc.eval.runner)."""
+    records = [r for path in cfg["data"] for r in read_records(path, cfg.get("limit_docs"), cfg.get("limit_questions"))]
+    rows = evaluate(model, tokenizer, records, cp, max_new_tokens=cfg.get("max_new_tokens", 32),
+                    strategy=cfg.get("strategy", "ring"), chat=cfg.get("chat"))
+    return {"task": "qa", "data": [str(p) for p in cfg["data"]], "documents": len(records),
+            "summary": summarize(rows), "rows": rows}
+
+
+def check(cfg: dict[str, Any]) -> None:
+    """Fail fast, before ranks start, on missing or malformed data files."""
+    if not cfg.get("data"):
+        raise ValueError("qa needs --data FILE.jsonl (make one with `longdoc data synth --domain legal ...`)")
+    for path in cfg["data"]:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"QA data file {path} does not exist")
+        read_records(path, limit_docs=1)

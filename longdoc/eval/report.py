@@ -1,0 +1,112 @@
+"""Run folders: one per evaluation run, holding results.json, summary.md and the PNGs.
+
+    reports/qa-SmolLM2-135M-Instruct-20250101-120000/
+        results.json    every number (per question / per cell / per bucket) and the run's settings
+        summary.md      the tables a person reads
+        *.png           plots, drawn from results.json as written
+
+Every file is written atomically (a temporary file in the same folder, then a rename), so a reader
+never sees half a file and a crashed run leaves no truncated results.json behind.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import os
+import re
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+RESULTS = "results.json"
+SUMMARY = "summary.md"
+
+
+def default_run_dir(task: str, model: str, root: str | os.PathLike = "reports") -> Path:
+    """reports/<task>-<model slug>-<UTC timestamp>."""
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(model.rstrip("/")).name or model).strip("-") or "model"
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return Path(root) / f"{task}-{slug}-{stamp}"
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
+    """Call `write(tmp_path)`, then rename the temporary file onto `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_text(path: str | os.PathLike, text: str) -> Path:
+    return atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+def _clean(value: Any) -> Any:
+    # JSON has no NaN/inf: write null, so every reader (jq, JavaScript, pandas) can parse the file.
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def write_json(path: str | os.PathLike, data: Any) -> Path:
+    return write_text(path, json.dumps(_clean(data), indent=2, ensure_ascii=False) + "\n")
+
+
+def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 120) -> Path:
+    """Save a matplotlib figure atomically as PNG and close it."""
+    import matplotlib.pyplot as plt
+
+    try:
+        return atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=dpi))
+    finally:
+        plt.close(fig)
+
+
+def load_results(path: str | os.PathLike) -> dict[str, Any]:
+    """results.json of a run folder (or the file itself)."""
+    p = Path(path)
+    f = p / RESULTS if p.is_dir() else p
+    if not f.is_file():
+        raise FileNotFoundError(f"{p} is not an evaluation run folder (no {RESULTS}); run `longdoc eval qa|needle|"
+                                f"position-loss` first, or pass the folder it printed")
+    return json.loads(f.read_text(encoding="utf-8"))
+
+
+def fmt(value: Any, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]], digits: int = 3) -> str:
+    """A GitHub-markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(fmt(v, digits) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def run_header(title: str, results: dict[str, Any]) -> str:
+    cfg = results.get("config", {})
+    bits = [f"# {title}", "", f"- model: `{results.get('model', '?')}`",
+            f"- context parallel: {cfg.get('cp', 1)} rank(s), layout {cfg.get('layout', 'zigzag')}, "
+            f"dtype {cfg.get('dtype', '?')}", f"- finished: {results.get('finished', '?')}"]
+    if results.get("seconds") is not None:
+        bits.append(f"- wall time: {results['seconds']:.0f} s")
+    return "\n".join(bits) + "\n"

@@ -1,0 +1,115 @@
+"""Run an evaluation task on N context-parallel ranks and hand rank 0's result back.
+
+Two ways to get N ranks, chosen by `run`:
+  - under a launcher (`accelerate launch` / `torchrun`: WORLD_SIZE is set, or torch.distributed is
+    already initialized): this process is one rank; the whole world is the CP group and must equal
+    --cp. GPUs are used when present (NCCL), CPUs otherwise (gloo).
+  - otherwise, with --cp N > 1: N local gloo ranks are spawned on this machine (longdoc.spawn), each
+    loading the model on CPU; the calling process waits and gets rank 0's result.
+
+A job is a module-level function `fn(cp, device, cfg) -> dict` (picklable for spawning; see
+longdoc.eval.tasks); every rank runs it with the same cfg and must make the same calls. Results are
+plain JSON-ready data.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+Job = Callable[..., dict[str, Any]]
+
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16"}
+
+
+def under_launcher() -> bool:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return True
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def check_dtype(name: str) -> str:
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(sorted(set(_DTYPES)))}, got {name!r}")
+    return _DTYPES[name]
+
+
+def _device(cfg: dict[str, Any], launched: bool):
+    import torch
+
+    want = cfg.get("device", "auto")
+    if want == "cuda" or (want == "auto" and launched and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda but CUDA is not available; use --device cpu")
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def load_model(name: str, cfg: dict[str, Any], device) -> tuple[Any, Any]:
+    """(model in eval mode on `device`, tokenizer) for a model name, folder or "tiny:<arch>"."""
+    import torch
+
+    from longdoc import models
+
+    model, tokenizer = models.load(name, dtype=getattr(torch, check_dtype(cfg.get("dtype", "float32"))))
+    return model.to(device).eval(), tokenizer
+
+
+def stamp(result: dict[str, Any], cfg: dict[str, Any], cp_size: int, started: float) -> dict[str, Any]:
+    """Add the run's settings and timing to a task result."""
+    result.setdefault("model", cfg.get("model"))
+    result["config"] = {**cfg, "cp": cp_size}
+    result["seconds"] = time.time() - started
+    result["finished"] = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return result
+
+
+def run_rank(fn: Job, cfg: dict[str, Any], launched: bool = False) -> dict[str, Any]:
+    """One rank: build the CP group over the world, pick the device, run `fn(cp, device, cfg)`."""
+    import longdoc
+
+    device = _device(cfg, launched)
+    cp = longdoc.ContextParallel(layout=cfg.get("layout", "zigzag"), timeout=cfg.get("timeout", 1800))
+    return fn(cp, device, cfg)
+
+
+def _spawned(rank: int, world_size: int, fn: Job, cfg: dict[str, Any]) -> dict[str, Any] | None:
+    result = run_rank(fn, cfg)
+    return result if rank == 0 else None  # only rank 0's copy travels back
+
+
+def run(fn: Job, cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """Run `fn(cp, device, cfg)` on cfg["cp"] ranks. Returns the result in the process that should write the report
+    (rank 0, or the parent of spawned ranks) and None elsewhere."""
+    cp_size = int(cfg.get("cp", 1))
+    if cp_size < 1:
+        raise ValueError(f"--cp must be >= 1, got {cp_size}")
+    if under_launcher():
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            backend = "nccl" if torch.cuda.is_available() and cfg.get("device", "auto") != "cpu" else "gloo"
+            dist.init_process_group(backend, timeout=dt.timedelta(seconds=cfg.get("timeout", 1800)))
+        world = dist.get_world_size()
+        if world != cp_size:
+            raise ValueError(f"launched with {world} processes but --cp {cp_size}: evaluation uses the whole world "
+                             f"as one CP group; pass --cp {world} (or launch {cp_size} processes)")
+        result = run_rank(fn, cfg, launched=True)
+        return result if dist.get_rank() == 0 else None
+    if cp_size == 1:
+        return run_rank(fn, cfg)
+    from longdoc.spawn import run_local
+
+    threads = int(cfg.get("threads") or max(1, (os.cpu_count() or 1) // cp_size))
+    # The deadline bounds the whole run; collectives keep their own timeout (cfg["timeout"]).
+    return run_local(cp_size, _spawned, fn, cfg, threads=threads, deadline=float(cfg.get("deadline", 7 * 86400)),
+                     pg_timeout=float(cfg.get("timeout", 1800)))[0]

@@ -1,0 +1,63 @@
+"""QA prompts split into a shared document prefix + question suffix, answer decoding, needle planting."""
+
+from __future__ import annotations
+
+import pytest
+
+from longdoc.eval.needle import plant
+from longdoc.eval.prompts import INSTRUCTION, Prompter
+from longdoc.models import load_tokenizer
+
+DOC = "CASE FILE 12-CV-0042\n\nThe hearing was held on March 3, 2021. Counsel appeared.\nThe motion was denied."
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer()
+
+
+def test_chat_prompt_is_prefix_plus_suffix(tok):
+    p = Prompter(tok)
+    assert p.chat
+    q = "When was the hearing held?"
+    ids = p.prefix(DOC) + p.suffix(q)
+    whole = tok.apply_chat_template([{"role": "user", "content": f"{INSTRUCTION}\n\n{DOC}\n\nQuestion: {q}"}],
+                                    tokenize=False, add_generation_prompt=True)
+    assert tok.decode(ids) == whole
+    # The document prefix does not depend on the question: one prefill serves them all.
+    assert p.prefix(DOC) == Prompter(tok).prefix(DOC)
+    assert tok.decode(p.suffix("Who appeared?")).startswith(" Who appeared?")
+    assert 2 in p.stop_ids()  # <|im_end|>
+
+
+def test_plain_prompt(tok):
+    p = Prompter(tok, chat=False)
+    text = tok.decode(p.prefix(DOC) + p.suffix("Who appeared?"), skip_special_tokens=True)
+    assert text == f"{INSTRUCTION}\n\n{DOC}\n\nQuestion: Who appeared?\nAnswer:"
+
+
+def test_decode_answer_stops_and_takes_first_line(tok):
+    p = Prompter(tok)
+    ids = tok("\n March 3, 2021\nBecause the docket says so", add_special_tokens=False)["input_ids"]
+    assert p.decode_answer(ids) == "March 3, 2021"
+    assert p.decode_answer(tok("Denied", add_special_tokens=False)["input_ids"] + [2, 500, 600]) == "Denied"
+    assert p.decode_answer([2]) == ""
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 0.9, 1.0])
+def test_plant_puts_the_needle_at_depth(tok, depth):
+    hay = " ".join(f"Sentence number {i} of the filler says nothing at all." for i in range(400))
+    needle = "The combination of the evidence safe is 48213."
+    doc, actual, n = plant(hay, needle, 600, depth, tok)
+    assert doc.count(needle) == 1
+    assert abs(n - 600) <= 3  # the cut lands on a token boundary
+    assert len(tok(doc, add_special_tokens=False)["input_ids"]) == n
+    assert abs(actual - depth) < 0.05  # moved back to a sentence boundary at most
+    start = doc.index(needle)
+    assert start == 0 or doc[start - 1] in " \n"
+    if depth == 0.0:
+        assert start == 0
+    if depth == 1.0:
+        assert doc.endswith(needle)
+    with pytest.raises(ValueError, match="cannot fit"):
+        plant(hay[:200], needle, 600, depth, tok)
