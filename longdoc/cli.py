@@ -16,6 +16,7 @@ VERB_MODULES: list[str] = [
     "longdoc.hf.verify",
     "longdoc.train.cli",
     "longdoc.eval.cli",
+    "longdoc.corpus.cli",
 ]
 
 

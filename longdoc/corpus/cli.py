@@ -1,0 +1,104 @@
+"""`longdoc data synth` and `longdoc data prepare`.
+
+    longdoc data synth --domain legal --num-docs 4 --tokens 32768 --seed 0 --out legal.jsonl
+    longdoc data prepare legal.jsonl --task qa --target-tokens 32768 --out runs/data/legal-qa
+    longdoc data prepare notes/ --task pretrain --target-tokens 65536 --skip-bad --out notes.parquet
+
+Heavy imports (tokenizers, datasets) happen inside the handlers so `longdoc --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("data", help="generate synthetic documents or tokenize a corpus",
+                       description="Documents in, token sequences out. See data/README.md for the formats.")
+    verbs = p.add_subparsers(dest="data_verb", metavar="COMMAND", required=True)
+
+    s = verbs.add_parser("synth", help="generate legal case files or patient histories with QA pairs",
+                         description="Synthetic long documents with planted facts and checkable questions "
+                                     "(one JSON record per line).")
+    s.add_argument("--domain", required=True, choices=["legal", "medical"])
+    s.add_argument("--num-docs", type=int, default=4)
+    s.add_argument("--tokens", type=int, default=32768, help="document length in the tokenizer's tokens "
+                   "(4096-131072 intended; 1024-1048576 accepted; within 2%%)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--tokenizer", default=None, help="model name or path (default: SmolLM2-135M-Instruct)")
+    s.add_argument("--qa-per-kind", type=int, default=2, help="questions per kind per document (default 2)")
+    s.add_argument("--out", required=True, help="output .jsonl file")
+    s.set_defaults(func=_synth)
+
+    q = verbs.add_parser("prepare", help="tokenize documents into training rows",
+                         description="Tokenize jsonl/json/parquet/csv files, folders of .txt/.md, or hub "
+                                     "dataset ids into rows of input_ids/labels/position_ids.")
+    q.add_argument("inputs", nargs="+", help="files, folders of .txt/.md, or hub dataset ids")
+    q.add_argument("--out", required=True, help="a .jsonl or .parquet file, or a folder (save_to_disk)")
+    q.add_argument("--task", choices=["pretrain", "qa"], default="pretrain",
+                   help="pretrain: whole documents; qa: document + question -> answer (default pretrain)")
+    q.add_argument("--tokenizer", default=None, help="model name or path (default: SmolLM2-135M-Instruct)")
+    q.add_argument("--target-tokens", type=int, default=32768, help="row length (default 32768, up to 1048576)")
+    q.add_argument("--overlap", type=int, default=None, help="overlap of windows over long documents "
+                   "(default: target/8)")
+    q.add_argument("--pack", action="store_true", help="pack short documents into one row (pretrain; off by "
+                   "default: packed documents attend to each other until document masking exists)")
+    q.add_argument("--no-chat-template", action="store_true", help="qa: plain-text prompt even if the "
+                   "tokenizer has a chat template")
+    for name, default in (("text", None), ("document", "document"), ("question", "question"),
+                          ("answer", "answer"), ("qa", "qa"), ("evidence", "evidence"), ("id", "id")):
+        q.add_argument(f"--{name}-field", default=default,
+                       help=f"field name (default: {default or 'first of text/document/content'})")
+    q.add_argument("--split", default="train", help="split of a hub dataset (default train)")
+    q.add_argument("--skip-bad", action="store_true", help="skip bad records and report them at the end "
+                   "instead of stopping at the first")
+    q.add_argument("--num-proc", type=int, default=1, help="tokenizer worker processes (datasets.map)")
+    q.add_argument("--cache-dir", default=None, help="cache folder (default: the datasets cache)")
+    q.add_argument("--seed", type=int, default=0, help="placement of QA windows")
+    q.set_defaults(func=_prepare)
+
+
+def _synth(args: argparse.Namespace) -> int:
+    from longdoc.corpus.synth import generate, write_jsonl
+
+    t0 = time.perf_counter()
+    try:
+        records = generate(args.domain, args.num_docs, args.tokens, args.seed, args.tokenizer, args.qa_per_kind)
+    except ValueError as e:
+        print(f"longdoc data synth: {e}", file=sys.stderr)
+        return 2
+    write_jsonl(records, args.out)
+    lengths = [r["num_tokens"] for r in records]
+    kinds = sorted({q["kind"] for r in records for q in r["qa"]})
+    print(f"wrote {len(records)} {args.domain} documents to {args.out} in {time.perf_counter() - t0:.1f}s: "
+          f"{min(lengths)}-{max(lengths)} tokens (target {args.tokens}), "
+          f"{sum(len(r['qa']) for r in records)} questions of {len(kinds)} kinds ({', '.join(kinds)})")
+    return 0
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from longdoc.corpus.ingest import CorpusError, Fields, Skips
+    from longdoc.corpus.prepare import prepare, save
+
+    fields = Fields(text=args.text_field, document=args.document_field, question=args.question_field,
+                    answer=args.answer_field, qa=args.qa_field, evidence=args.evidence_field, id=args.id_field)
+    skips = Skips() if args.skip_bad else None
+    t0 = time.perf_counter()
+    try:
+        ds = prepare(args.inputs, args.tokenizer, task=args.task, target_tokens=args.target_tokens,
+                     overlap=args.overlap, pack=args.pack, fields=fields, skips=skips, num_proc=args.num_proc,
+                     cache_dir=args.cache_dir, split=args.split, seed=args.seed,
+                     use_chat_template=False if args.no_chat_template else None)
+    except (CorpusError, ValueError) as e:
+        print(f"longdoc data prepare: {e}", file=sys.stderr)
+        return 2
+    kind = save(ds, args.out)
+    tokens, loss = sum(ds["num_tokens"]), sum(ds["num_loss_tokens"])
+    docs = len({d for ids in ds["doc_ids"] for d in ids})
+    print(f"wrote {len(ds)} rows from {docs} documents to {args.out} ({kind}) in {time.perf_counter() - t0:.1f}s: "
+          f"{tokens} tokens, {loss} with loss, rows of at most {max(ds['num_tokens'], default=0)} tokens")
+    if skips is not None:
+        print(skips.summary(), file=sys.stderr if skips.total else sys.stdout)
+    return 0

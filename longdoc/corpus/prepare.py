@@ -1,0 +1,148 @@
+"""`longdoc data prepare`: documents in, tokenized training rows out (a `datasets.Dataset`).
+
+    longdoc data prepare cases.jsonl --task qa --target-tokens 32768 --out data/cases-qa
+    longdoc data prepare notes/ --task pretrain --target-tokens 65536 --overlap 4096 --out notes.parquet
+
+    from longdoc.corpus.prepare import prepare
+    ds = prepare(["cases.jsonl"], task="qa", target_tokens=32768)          # default tokenizer
+    ds = prepare(generate("legal", 4, 32768), task="pretrain")             # records work as inputs too
+
+Rows (columns): input_ids, labels (NOT shifted; -100 = no loss), position_ids (restart per document
+segment), cu_seqlens (segment boundaries), doc_ids, sources ("file:line"), token_starts (where each
+segment starts in its document's tokens), num_tokens, num_loss_tokens; QA rows add qa_id, kind and
+doc_pieces (the document token ranges shown). See data/README.md for the details.
+
+- pretrain: whole documents (+ EOS); longer than the target -> windows of exactly `target_tokens`
+  overlapping by `overlap` (default target/8), each token scored once. Packing short documents into
+  one row (`pack=True`) is OFF by default: until a document-masking attention exists, packed
+  documents attend to each other. Rows record the boundaries so that attention can use them later.
+- qa: one row per question: prompt (chat template when the tokenizer has one) + document + question
+  -> answer, loss on the answer tokens only; a document that does not fit is cut to a window that
+  keeps every evidence span (pieces joined by " [...] " when the spans lie far apart).
+Tokenization runs in `datasets.map` with `num_proc` workers; results are cached under `cache_dir`
+keyed by the inputs' content, the tokenizer and every option, so a rerun loads from the cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from longdoc.corpus import tokens as tk
+from longdoc.corpus.ingest import CorpusError, Fields, Skips, read_documents
+from longdoc.corpus.qa_format import INSTRUCTION, qa_parts
+from longdoc.corpus.windows import evidence_pieces, pack_rows, pretrain_rows, qa_row, segment_row
+
+MAX_TARGET = 1 << 20
+_CACHE_VERSION = 1
+_SEP = " [...] "
+
+
+def prepare(inputs: str | Path | list, tokenizer: Any = None, *, task: str = "pretrain",
+            target_tokens: int = 32768, overlap: int | None = None, pack: bool = False,
+            fields: Fields | None = None, skips: Skips | None = None, num_proc: int = 1,
+            cache_dir: str | Path | None = None, split: str = "train", seed: int = 0, add_eos: bool = True,
+            use_chat_template: bool | None = None, batch_size: int = 64):
+    """Tokenized rows for `task` ("pretrain" | "qa"); bad input raises `CorpusError` unless `skips` is
+    given, which then counts what was left out (see `Skips.summary`)."""
+    import datasets
+
+    if not 64 <= target_tokens <= MAX_TARGET:
+        raise ValueError(f"target_tokens must be in [64, {MAX_TARGET}], got {target_tokens}")
+    overlap = target_tokens // 8 if overlap is None else overlap
+    if not 0 <= overlap < target_tokens:
+        raise ValueError(f"overlap must be in [0, target_tokens) = [0, {target_tokens}), got {overlap}")
+    if pack and task != "pretrain":
+        raise ValueError("pack=True is for task='pretrain' (QA rows are one question each)")
+    tok = tk.get_tokenizer(tokenizer)
+    inputs = inputs if isinstance(inputs, list) else [inputs]
+    records = list(read_documents(inputs, task, fields or Fields(), skips, split))
+    if not records:
+        raise CorpusError(str(inputs)[:200], "no usable documents" + (f" ({skips.summary()})" if skips else ""))
+    options = {"task": task, "target": target_tokens, "overlap": overlap, "pack": pack, "add_eos": add_eos,
+               "seed": seed, "use_chat_template": use_chat_template}
+    cache = Path(cache_dir) if cache_dir else Path(datasets.config.HF_DATASETS_CACHE) / "longdoc"
+    cache.mkdir(parents=True, exist_ok=True)
+    fingerprint = _fingerprint(records, tok, options)[:40]  # datasets appends shard suffixes; <= 64 chars
+    ds = datasets.Dataset.from_list(records)
+    ds = ds.map(_rows, batched=True, batch_size=batch_size, num_proc=num_proc if num_proc > 1 else None,
+                remove_columns=ds.column_names, fn_kwargs={"tokenizer": tok, **options},
+                cache_file_name=str(cache / f"prepare-{fingerprint[:20]}.arrow"), new_fingerprint=fingerprint,
+                desc=f"tokenizing ({task})")
+    errors = ds["error"]
+    for message in (e for e in errors if e):
+        err = CorpusError(*message.split(": ", 1), reason="evidence does not fit")
+        if skips is None:
+            raise err
+        skips.add(err)
+    if any(errors):
+        ds = ds.select([i for i, e in enumerate(errors) if not e])
+    return ds.remove_columns("error")
+
+
+def save(ds: Any, out: str | Path) -> str:
+    """Write rows to a `.jsonl` or `.parquet` file, or else a `save_to_disk` folder; returns the kind."""
+    out = str(out)
+    if out.endswith(".jsonl"):
+        ds.to_json(out, lines=True)
+        return "jsonl"
+    if out.endswith(".parquet"):
+        ds.to_parquet(out)
+        return "parquet"
+    ds.save_to_disk(out)
+    return "dataset folder (datasets.load_from_disk)"
+
+
+def _fingerprint(records: list[dict], tok: Any, options: dict) -> str:
+    h = hashlib.sha256(f"longdoc-prepare-{_CACHE_VERSION}{json.dumps(options, sort_keys=True)}{INSTRUCTION}".encode())
+    backend = getattr(tok, "backend_tokenizer", None)
+    h.update((backend.to_str() if backend is not None else repr(sorted(tok.get_vocab().items()))).encode())
+    h.update(repr((getattr(tok, "chat_template", None), tok.eos_token, type(tok).__name__)).encode())
+    for r in records:
+        h.update(json.dumps(r, sort_keys=True, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+    return h.hexdigest()
+
+
+def _rows(batch: dict[str, list], tokenizer: Any, task: str, target: int, overlap: int, pack: bool,
+          add_eos: bool, seed: int, use_chat_template: bool | None) -> dict[str, list]:
+    rows: list[dict[str, Any]] = []
+    if task == "pretrain":
+        eos = tokenizer.eos_token_id if add_eos else None
+        for ids, doc_id, source in zip(tk.encode(tokenizer, batch["text"])["input_ids"], batch["doc_id"],
+                                       batch["source"]):
+            ids = ids + [eos] if eos is not None and (not ids or ids[-1] != eos) else ids
+            rows += pretrain_rows(ids, target, overlap, doc_id, source)
+        rows = pack_rows(rows, target) if pack else rows
+    else:
+        enc = tk.encode(tokenizer, batch["document"], offsets=True)
+        sep = tk.encode(tokenizer, [_SEP])["input_ids"][0]
+        for doc, offsets, doc_id, source, qas in zip(enc["input_ids"], enc["offset_mapping"], batch["doc_id"],
+                                                     batch["source"], batch["qas"]):
+            ends = tk.token_ends(offsets)
+            for qa in qas:
+                rows.append(_qa(tokenizer, doc, ends, qa, doc_id, source, target, sep, seed, use_chat_template))
+    for row in rows:
+        row.setdefault("error", "")
+        row["num_tokens"] = len(row["input_ids"])
+        row["num_loss_tokens"] = sum(1 for x in row["labels"][1:] if x != -100)  # position 0 is never scored
+    return {key: [row[key] for row in rows] for key in (rows[0] if rows else {"error": None})}
+
+
+def _qa(tokenizer: Any, doc: list[int], ends: list[int], qa: dict, doc_id: str, source: str, target: int,
+        sep: list[int], seed: int, use_chat_template: bool | None) -> dict[str, Any]:
+    parts = qa_parts(tokenizer, qa["question"], qa["answer"], use_chat_template=use_chat_template)
+    spans = [(tk.char_to_token(ends, a), tk.char_to_token(ends, b - 1) + 1) for a, b in qa["spans"]]
+    budget = target - len(parts.prefix) - len(parts.suffix) - len(parts.answer)
+    try:
+        pieces = evidence_pieces(len(doc), budget, spans, random.Random(f"{seed}:{qa['qa_id']}"), len(sep))
+    except ValueError as e:
+        return {"input_ids": [], "labels": [], "position_ids": [], "cu_seqlens": [0, 0], "doc_ids": [doc_id],
+                "sources": [source], "token_starts": [0], "qa_id": qa["qa_id"], "kind": qa["kind"],
+                "doc_pieces": [], "error": f"{source}: question {qa['qa_id']}: {e}"}
+    ids, labels = qa_row(parts.prefix, doc, pieces, sep, parts.suffix, parts.answer)
+    row = segment_row(ids, labels, doc_id, source, pieces[0][0])
+    row.update(qa_id=qa["qa_id"], kind=qa["kind"], doc_pieces=[list(p) for p in pieces])
+    return row

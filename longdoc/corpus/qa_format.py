@@ -1,0 +1,52 @@
+"""How a document question becomes tokens: the prompt around the document and the answer target.
+
+Training (`prepare --task qa`) and evaluation use this one function, so they format alike:
+
+    parts = qa_parts(tokenizer, "What was the potassium on 03/14/2023, in mmol/L?", "5.8")
+    ids = parts.prefix + document_ids + parts.suffix + parts.answer    # loss on parts.answer only
+
+With a chat template: one user turn holding the document, then the question and an instruction; the
+assistant turn is the answer (the template's end-of-turn token included). Without one: plain text
+"<document>\\n\\nQuestion: ...\\nAnswer:" followed by " <answer><eos>".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+INSTRUCTION = "Answer briefly, using the document above."
+_DOC = "\u2063LONGDOC_DOCUMENT\u2063"
+
+
+@dataclass(frozen=True)
+class QAParts:
+    prefix: list[int]  # before the document
+    suffix: list[int]  # after the document: the question and the start of the answer turn
+    answer: list[int]  # the target (empty when no answer was given)
+
+
+def qa_parts(tokenizer: Any, question: str, answer: str | None = None, system: str | None = None,
+             use_chat_template: bool | None = None) -> QAParts:
+    """Token ids around a document for one question (`use_chat_template=None`: when the tokenizer has one)."""
+    user = f"{_DOC}\n\nQuestion: {question}\n{INSTRUCTION}"
+    if use_chat_template is None:
+        use_chat_template = bool(getattr(tokenizer, "chat_template", None))
+    if use_chat_template:
+        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+        prompt = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        target = ""
+        if answer is not None:
+            full = tokenizer.apply_chat_template(msgs + [{"role": "assistant", "content": answer}], tokenize=False)
+            if not full.startswith(prompt):
+                raise ValueError("the chat template does not extend the prompt with the answer turn; "
+                                 "use use_chat_template=False (plain text format) for this tokenizer")
+            target = full[len(prompt):].rstrip()
+    else:
+        prompt = (f"{system}\n\n" if system else "") + user.replace(f"\n{INSTRUCTION}", "") + "\nAnswer:"
+        target = "" if answer is None else f" {answer}" + (tokenizer.eos_token or "")
+    if prompt.count(_DOC) != 1:
+        raise ValueError("the chat template altered the document placeholder; cannot place the document")
+    before, after = prompt.split(_DOC)
+    enc = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"] if text else []  # noqa: E731
+    return QAParts(enc(before), enc(after), enc(target))
