@@ -43,8 +43,9 @@ class CPHandle:
 
     def __init__(self, cp: ContextParallel | None, strategy: str, model_name: str, config=None):
         self.cp, self.strategy, self.model_name, self.config = cp, strategy, model_name, config
-        self.attention_calls = 0
+        self.attention_calls = 0  # in the current forward, checked by the post-hook
         self.loss_calls = 0
+        self.restore: tuple | None = None  # (attn implementation, had own loss_function, that loss_function)
 
     def __deepcopy__(self, memo) -> CPHandle:
         return self

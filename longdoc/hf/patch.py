@@ -258,12 +258,10 @@ def patch(model: torch.nn.Module, cp: ContextParallel, *, strategy: str = "ring"
     old_loss = hf.__dict__.get("_loss_function")
     hf.loss_function = functools.partial(_cp_loss, handle)
     n_layers = int(getattr(hf.config.get_text_config(), "num_hidden_layers", 1) or 1)
-    hooks = [
-        hf.register_forward_pre_hook(functools.partial(_pre_forward, handle, inspect.signature(hf.forward)),
-                                     with_kwargs=True),
-        hf.register_forward_hook(functools.partial(_post_forward, handle, n_layers), with_kwargs=True),
-    ]
-    handle.restore = (original, had_loss, old_loss, hooks)
+    hf.register_forward_pre_hook(functools.partial(_pre_forward, handle, inspect.signature(hf.forward)),
+                                 with_kwargs=True)
+    hf.register_forward_hook(functools.partial(_post_forward, handle, n_layers), with_kwargs=True)
+    handle.restore = (original, had_loss, old_loss)
     return model
 
 
@@ -277,9 +275,13 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     handle = getattr(hf, "_longdoc_cp", None)
     if handle is None:
         return model
-    original, had_loss, old_loss, hooks = getattr(handle, "restore", ("sdpa", False, None, []))
-    for h in hooks:
-        h.remove()
+    original, had_loss, old_loss = handle.restore or ("sdpa", False, None)
+    # Found by function rather than by the RemovableHandles, which a deep copy of the model would not follow.
+    for hooks in (hf._forward_pre_hooks, hf._forward_hooks):
+        for key in [k for k, h in hooks.items() if getattr(h, "func", None) in (_pre_forward, _post_forward)]:
+            hooks.pop(key)
+            hf._forward_hooks_with_kwargs.pop(key, None)
+            hf._forward_pre_hooks_with_kwargs.pop(key, None)
     for m in hf.modules():
         m.__dict__.pop("_longdoc_cp", None)
     if had_loss:

@@ -6,9 +6,9 @@
 
 It spawns --cp gloo ranks on this machine's CPUs (or, started by `torchrun` / `accelerate launch
 --multi_gpu --num_processes N`, joins their group), runs the patched model on a random batch with
-cp.shard_batch, then the unpatched model on the full batch in every rank, and prints the largest
-errors of the logits, the loss (sum of the rank shares) and the gradients (summed over ranks), with a
-PASS/FAIL verdict against dtype-based tolerances; the exit status is 1 on FAIL. Models run in eval mode
+cp.shard_batch, then (on rank 0 alone, with every core) the unpatched model on the full batch, and prints
+the largest errors of the logits, the loss (sum of the rank shares) and the gradients (summed over
+ranks), with a PASS/FAIL verdict against dtype-based tolerances; the exit status is 1 on FAIL. Models run in eval mode
 (no dropout), gradients still flow. For bfloat16/float16, both the CP run and the single-process run in
 that dtype are compared with a float64 reference: CP passes when it is no worse than 2x the
 single-process rounding error (plus a small floor).
@@ -39,6 +39,7 @@ class Spec:
     strategy: str = "ring"
     seed: int = 0
     timeout: float = 600.0
+    text: str | None = None
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -53,6 +54,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
     p.add_argument("--strategy", default="ring", choices=["ring", "allgather"])
     p.add_argument("--seed", type=int, default=0, help="seed of the random tokens (and of random init)")
+    p.add_argument("--text", default=None, metavar="FILE",
+                   help="tokenize this text file (repeated to --seq-len) instead of using random tokens")
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / cp)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds any collective may wait")
     p.set_defaults(func=_main)
@@ -61,8 +64,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _main(args: argparse.Namespace) -> int:
     if args.cp < 1 or args.seq_len < 2 or args.batch_size < 1:
         raise SystemExit("longdoc verify: need --cp >= 1, --seq-len >= 2 and --batch-size >= 1")
+    if args.text is not None and not os.path.isfile(args.text):
+        raise SystemExit(f"longdoc verify: --text {args.text!r} is not a file")
     spec = Spec(args.model, args.cp, args.seq_len, args.batch_size, args.dtype, args.layout, args.strategy,
-                args.seed, args.timeout)
+                args.seed, args.timeout, args.text)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun / accelerate launch
         return _main_launched(spec)
     from longdoc.spawn import run_local
@@ -110,6 +115,25 @@ def _load(spec: Spec, dtype):
     return models.load(spec.model, dtype=dtype)[0]
 
 
+def _tokens(spec: Spec, vocab: int):
+    """(batch, seq_len) token ids: random, or the --text file tokenized and repeated to length."""
+    import torch
+
+    from longdoc import models
+
+    if spec.text is None:
+        g = torch.Generator().manual_seed(spec.seed)
+        return torch.randint(0, vocab, (spec.batch_size, spec.seq_len), generator=g)
+    own = not spec.model.startswith(models.TINY_PREFIX) and not spec.model.endswith(".json")
+    tokenizer = models.load_tokenizer(spec.model if own else models.DEFAULT_MODEL)
+    with open(spec.text, encoding="utf-8") as f:
+        ids = torch.tensor(tokenizer(f.read())["input_ids"], dtype=torch.long) % vocab
+    if ids.numel() == 0:
+        raise ValueError(f"{spec.text} has no tokens")
+    ids = ids.repeat(-(-spec.batch_size * spec.seq_len // ids.numel()))
+    return ids[: spec.batch_size * spec.seq_len].reshape(spec.batch_size, spec.seq_len)
+
+
 def _step(model, batch: dict):
     """Forward + backward; returns (logits, loss, {name: grad}) detached."""
     model.zero_grad(set_to_none=True)
@@ -119,10 +143,10 @@ def _step(model, batch: dict):
     return out.logits.detach(), out.loss.detach(), grads
 
 
-def _errors(logits, loss, grads, ref_logits, ref_loss, ref_grads, keep) -> list[float]:
-    """[logits max abs err, logits err / max |ref logit|, loss abs err, grads max normalized err] on this rank."""
-    d = (logits.double() - ref_logits.double())[:, keep].abs()
-    scale = ref_logits.double()[:, keep].abs().max().clamp_min(1e-30)
+def _errors(logits, loss, grads, ref_logits, ref_loss, ref_grads) -> list[float]:
+    """[logits max abs err, logits err / max |ref logit|, loss abs err, grads max normalized err]."""
+    d = (logits.double() - ref_logits.double()).abs()
+    scale = ref_logits.double().abs().max().clamp_min(1e-30)
     logit_abs = d.max().item() if d.numel() else 0.0
     grad_rel = 0.0
     for name, g in ref_grads.items():
@@ -132,53 +156,52 @@ def _errors(logits, loss, grads, ref_logits, ref_loss, ref_grads, keep) -> list[
     return [logit_abs, logit_abs / scale.item(), abs(loss.item() - ref_loss.item()), grad_rel]
 
 
-def _rank(rank: int, world_size: int, spec: Spec) -> dict:
+def _rank(rank: int, world_size: int, spec: Spec) -> dict | None:
+    """CP step on every rank; then rank 0 alone (with every core) runs the references and compares.
+    Returns the result dict on CP rank 0, None elsewhere."""
     import torch
     import torch.distributed as dist
 
     import longdoc
     from longdoc.hf import patch, unpatch
+    from longdoc.parallel import layout as layouts
 
     dtype = getattr(torch, spec.dtype)
     model = _load(spec, dtype).eval()  # eval: no dropout anywhere; gradients still flow
-    vocab = model.get_input_embeddings().weight.shape[0]
-    g = torch.Generator().manual_seed(spec.seed)
-    ids = torch.randint(0, vocab, (spec.batch_size, spec.seq_len), generator=g)
+    ids = _tokens(spec, model.get_input_embeddings().weight.shape[0])
     full = {"input_ids": ids, "labels": ids}
     cp = longdoc.ContextParallel(layout=spec.layout, timeout=spec.timeout)
 
     patch(model, cp, strategy=spec.strategy)
-    local = cp.shard_batch(full)
-    logits, loss, grads = _step(model, local)
+    logits, loss, grads = _step(model, cp.shard_batch(full))
     unpatch(model)
     loss = loss.double()
     if cp.size > 1:
-        dist.all_reduce(loss, group=cp.group)
+        # Only rank 0 compares, so only it needs the summed loss/grads and everyone's logits: the
+        # other ranks never hold a full-length tensor.
+        root = dist.get_global_rank(cp.group, 0)
+        dist.reduce(loss, root, group=cp.group)
         for t in grads.values():
-            dist.all_reduce(t, group=cp.group)
-    padded = local["input_ids"].shape[1] * cp.size
-    keep = cp.shard(torch.arange(padded) < spec.seq_len, dim=0)
-
-    def shard(ref_logits):
-        out = ref_logits.new_zeros((spec.batch_size, padded, ref_logits.shape[-1]))
-        out[:, : spec.seq_len] = ref_logits
-        return cp.shard(out, dim=1)
+            dist.reduce(t, root, group=cp.group)
+        parts = [torch.empty_like(logits) for _ in range(cp.size)] if cp.rank == 0 else None
+        dist.gather(logits.contiguous(), parts, dst=root, group=cp.group)
+        if cp.rank != 0:
+            return None
+        logits = layouts.unshard(parts, 1, cp.layout)
+        del parts
+    logits = logits[:, : spec.seq_len]
+    torch.set_num_threads(os.cpu_count() or 1)  # the other ranks are done: the reference gets every core
 
     ref_logits, ref_loss, ref_grads = _step(model, full)
-    result = {"cp_vs_single": _errors(logits, loss, grads, shard(ref_logits), ref_loss, ref_grads, keep)}
+    result = {"cp_vs_single": _errors(logits, loss, grads, ref_logits, ref_loss, ref_grads)}
     if spec.dtype in _LOW_PRECISION_FLOOR:
-        single = (shard(ref_logits), ref_loss, ref_grads)
-        hi_logits, hi_loss, hi_grads = _step(model.to(torch.float64), full)
-        hi = (shard(hi_logits), hi_loss, hi_grads)
-        result["cp_vs_fp64"] = _errors(logits, loss, grads, *hi, keep)
-        result["single_vs_fp64"] = _errors(*single, *hi, keep)
+        model.to(torch.float64)
+        if model._can_set_experts_implementation():
+            model.set_experts_implementation("eager")  # grouped_mm has no float64 kernel
+        hi = _step(model, full)
+        result["cp_vs_fp64"] = _errors(logits, loss, grads, *hi)
+        result["single_vs_fp64"] = _errors(ref_logits, ref_loss, ref_grads, *hi)
     result["loss"] = (loss.item(), ref_loss.item())
-    if cp.size > 1:  # the worst error over the ranks' shards
-        for key in ("cp_vs_single", "cp_vs_fp64", "single_vs_fp64"):
-            if key in result:
-                t = torch.tensor(result[key], dtype=torch.float64)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cp.group)
-                result[key] = t.tolist()
     return result
 
 

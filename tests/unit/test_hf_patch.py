@@ -106,6 +106,9 @@ def test_patching_twice_and_deepcopy_and_pickle(cp):
     ids = _ids()
     twin = copy.deepcopy(model)
     assert torch.equal(_run(twin, cp, ids).loss, _run(model, cp, ids).loss)
+    unpatch(twin)  # removes the copy's hooks, not the original's
+    assert not twin._forward_pre_hooks and not twin._forward_hooks and len(model._forward_pre_hooks) == 1
+    assert twin.config._attn_implementation == "sdpa"
     revived = pickle.loads(pickle.dumps(model))
     with pytest.raises(RuntimeError, match="call longdoc.patch"):
         _run(revived, cp, ids)
