@@ -80,6 +80,9 @@ def prepare(inputs: str | Path | list, tokenizer: Any = None, *, task: str = "pr
         skips.add(err)
     if any(errors):
         ds = ds.select([i for i, e in enumerate(errors) if not e])
+    if len(ds) == 0:
+        raise CorpusError(", ".join(map(str, inputs))[:200], "no rows left: " + (skips.summary() if skips else
+                                                                                 "no document gave a row"))
     return ds.remove_columns("error")
 
 

@@ -21,6 +21,7 @@ class Dated:  # a dated fact with its span: a trial setting, a demand, an offer,
     text: str
     ref: Ref
     value: int = 0
+    date_ref: Ref | None = None  # the dated line of the paper that holds it
 
 
 @dataclass
@@ -29,6 +30,7 @@ class TrialSetting:
     trial: dt.date
     text: str
     ref: Ref
+    ordered: Ref  # "SO ORDERED on <date>" of the order that set it
 
 
 @dataclass
@@ -48,6 +50,7 @@ class Deposition:
 @dataclass
 class Invoice:
     number: str
+    number_ref: Ref
     vendor: str
     total: Dated
     exhibit: int
@@ -241,8 +244,8 @@ class LegalSim(Discovery):
                             ("Expert disclosures", 210), ("Dispositive motions", 240), ("Mediation", 260)):
             s.line(f"- {label}: {self.d(self.date + dt.timedelta(days=days))}")
         text = f"Trial is set for {self.d(trial)} at 9:00 a.m. before the {self.judge}."
-        self.trial.append(TrialSetting(self.date, trial, self.d(trial), s.mark("trial", text, "\n")))
-        s.line(f"SO ORDERED on {self.d()}.    {self.judge}, Judge")
+        self.trial.append(TrialSetting(self.date, trial, self.d(trial), s.mark("trial", text, "\n"), Ref(s, "ordered")))
+        self.so_ordered(s)
         return s
 
     def motion(self, key: str | None = None) -> Section:
@@ -279,7 +282,7 @@ class LegalSim(Discovery):
         if m.key == "continue":
             self.reset_trial(s)
         s.line(self.rng.choice(self.v["order_extra"]))
-        s.line(f"SO ORDERED on {self.d()}.    {self.judge}, Judge")
+        self.so_ordered(s)
         m.ruled = True
         return s
 
@@ -290,14 +293,17 @@ class LegalSim(Discovery):
         s.line("ORDER RESETTING TRIAL DATE")
         s.line("Due to the congestion of the Court's trial calendar, and on the Court's own motion, IT IS ORDERED:")
         self.reset_trial(s)
-        s.line(f"SO ORDERED on {self.d()}.    {self.judge}, Judge")
+        self.so_ordered(s)
         return s
+
+    def so_ordered(self, s: Section) -> None:
+        s.mark("ordered", f"SO ORDERED on {self.d()}.", f"    {self.judge}, Judge\n")
 
     def reset_trial(self, s: Section) -> None:
         old = self.trial[-1].trial
         new = max(old, self.date) + dt.timedelta(days=self.rng.randint(60, 200))
         text = f"Trial, previously set for {self.d(old)}, is continued to {self.d(new)}."
-        self.trial.append(TrialSetting(self.date, new, self.d(new), s.mark(f"trial{len(self.trial)}", text, "\n")))
+        self.trial.append(TrialSetting(self.date, new, self.d(new), s.mark("trial", text, "\n"), Ref(s, "ordered")))
 
     def filler(self) -> Section:
         title, body = self.rng.choice(self.v["notices"])

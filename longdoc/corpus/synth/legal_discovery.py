@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from longdoc.corpus.synth.base import Section, fill, fmt_dollars, fmt_money, fmt_time, person_name
+from longdoc.corpus.synth.base import Ref, Section, fill, fmt_dollars, fmt_money, fmt_time, person_name
 
 _NO_SCENE = ("expert", "surgeon", "spouse", "wife", "consultant", "vocational", "engineering")
 _ARRIVAL = ("Around {time}", "I got there at about {time}", "It was {time}, give or take a few minutes.",
@@ -106,7 +106,7 @@ class Discovery:
         s = Section("exhibit", self.date)
         s.line(f"EXHIBIT {self.exhibits}")
         s.line(vendor.upper()).line("INVOICE")
-        s.add("Invoice No.: ").mark("number", number, "\n")
+        number_ref = s.add("Invoice No.: ").mark("number", number, "\n")
         s.line(f"Invoice date: {self.d(when)}    Terms: Net 30")
         s.line(f"Bill to: {self.plaintiff}")
         items = self.ct["vendors"][vendor]
@@ -116,7 +116,7 @@ class Discovery:
         total = fmt_money(sum(cents))
         ref = s.mark("total", f"TOTAL DUE: {total}", "\n")
         s.line("Please remit payment within 30 days. Thank you for your business.")
-        self.invoices.append(Invoice(number, vendor, Dated(when, total, ref, sum(cents)), self.exhibits))
+        self.invoices.append(Invoice(number, number_ref, vendor, Dated(when, total, ref, sum(cents)), self.exhibits))
         return s
 
     def exhibit(self) -> Section:
@@ -156,7 +156,7 @@ class Discovery:
         """A letter between counsel; `key_line` (if any) is marked and its reference returned."""
         c, to = self.counsel[side], self.counsel["defendant" if side == "plaintiff" else "plaintiff"]
         s = Section("letter", self.date, inert=not key_line)
-        s.line(c["firm"].upper()).line(f"{self.city}, {self.state}").line(self.d())
+        s.line(c["firm"].upper()).line(f"{self.city}, {self.state}").mark("date", self.d(), "\n")
         s.line(f"VIA ELECTRONIC MAIL: {to['name']}, {to['firm']}")
         s.line(f"Re: {self.plaintiff} v. {self.defendant}, Case No. {self.case_no}")
         s.line(f"Dear {to['title'].title()} {to['last']}:")
@@ -187,7 +187,7 @@ class Discovery:
                         {"amount": fmt_dollars(amount)})
         opener = fill(r.choice(self.v["letter_openers"]), {"client": self.party(side)})
         s, ref = self.letter(side, [opener], key_line, (r.choice(self.v["letter_closers"]),))
-        mine.append(Dated(self.date, fmt_dollars(amount), ref, amount))
+        mine.append(Dated(self.date, fmt_dollars(amount), ref, amount, Ref(s, "date")))
         return s
 
     def demand(self) -> Section:

@@ -45,8 +45,8 @@ def questions(sim: LegalSim, ask: Asker, rng: random.Random) -> list[QA]:
     # distractors: one of several facts of the same kind
     if len(sim.invoices) >= 2:
         for inv in _some(rng, sim.invoices, 2):
-            out.append(ask.ask("invoice_amount", inv.total.text, [inv.total.ref], money_aliases(inv.total.text),
-                               number=inv.number, vendor=inv.vendor))
+            out.append(ask.ask("invoice_amount", inv.total.text, [inv.total.ref, inv.number_ref],
+                               money_aliases(inv.total.text), number=inv.number, vendor=inv.vendor))
     deps = sim.depositions
     if len({x.date for x in deps}) >= 2:
         for dep in _some(rng, deps, 2):
@@ -56,11 +56,11 @@ def questions(sim: LegalSim, ask: Asker, rng: random.Random) -> list[QA]:
     if len(with_arrival) >= 2:
         for dep in _some(rng, with_arrival, 2):
             he, his = pron[dep.sex]
-            out.append(ask.ask("arrival_time", dep.arrival.text, [dep.arrival.ref], witness=dep.witness,
+            out.append(ask.ask("arrival_time", dep.arrival.text, [dep.arrival.ref, dep.head], witness=dep.witness,
                                he_she=he, his_her=his, place=sim.place, incident=incident))
     if len(deps) >= 2:
         for dep in _some(rng, [x for x in deps if x.tenure], 2):
-            out.append(ask.ask("tenure", dep.tenure.text, [dep.tenure.ref], witness=dep.witness,
+            out.append(ask.ask("tenure", dep.tenure.text, [dep.tenure.ref, dep.head], witness=dep.witness,
                                employer=dep.employer, his_her=pron[dep.sex][1]))
 
     # multi-hop
@@ -71,12 +71,13 @@ def questions(sim: LegalSim, ask: Asker, rng: random.Random) -> list[QA]:
             setting = _before(sim.trial, m.filed.date)
             if setting is not None:
                 movant = f"the {m.side}"
-                out.append(ask.ask("trial_at_motion", setting.text, [m.filed.ref, setting.ref], movant=movant,
+                out.append(ask.ask("trial_at_motion", setting.text, [setting.ref, setting.ordered, m.filed.ref],
+                                   movant=movant,
                                    motion=m.name.split("'s ", 1)[1]))
     for dep in _some(rng, deps, 3):
         demand = _before(sim.demands, dep.date)
         if demand is not None:
-            out.append(ask.ask("demand_at_deposition", demand.text, [dep.date_ref, demand.ref],
+            out.append(ask.ask("demand_at_deposition", demand.text, [demand.ref, demand.date_ref, dep.date_ref],
                                money_aliases(demand.text), witness=dep.witness))
     by_exhibit = {inv.exhibit: inv for inv in sim.invoices}
     for dep in deps:
@@ -105,10 +106,11 @@ def questions(sim: LegalSim, ask: Asker, rng: random.Random) -> list[QA]:
             top = max(items, key=lambda x: x.value)
             out.append(ask.ask(family, top.text, [top.ref], money_aliases(top.text)))
     if sim.trial:
-        out.append(ask.ask("current_trial", sim.trial[-1].text, [sim.trial[-1].ref]))
+        out.append(ask.ask("current_trial", sim.trial[-1].text, [sim.trial[-1].ref, sim.trial[-1].ordered]))
     for family, items in (("last_offer", sim.offers), ("last_demand", sim.demands)):
         if len(items) >= 2:
-            out.append(ask.ask(family, items[-1].text, [items[-1].ref], money_aliases(items[-1].text)))
+            last = items[-1]
+            out.append(ask.ask(family, last.text, [last.ref, last.date_ref], money_aliases(last.text)))
 
     # time
     pairs = [(a, b) for a, b in itertools.combinations(deps, 2) if a.date != b.date]

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from longdoc.corpus.synth.base import DATE_STYLES, Ref, Section, fill, fmt_date, load_data, person_name
+from longdoc.corpus.synth.medical_tests import TestsMixin
 
 
 @dataclass
@@ -23,6 +24,7 @@ class DoseSet:  # a start, a change or a stop: the dose from `date` on
     ref: Ref
     change: bool
     stop: bool = False
+    date_ref: Ref | None = None  # the dated header of the note that holds it
 
 
 @dataclass
@@ -33,6 +35,7 @@ class Lab:
     value: float
     flag: str
     ref: Ref
+    header: Ref | None = None  # "Collected: <date>" of its report
 
 
 @dataclass
@@ -46,11 +49,7 @@ class Event:  # something with a date that questions can name: an incident, a st
     value_ref: Ref | None = None
 
 
-def _num(x: float, dec: int) -> str:
-    return f"{x:.{dec}f}"
-
-
-class MedicalSim:
+class MedicalSim(TestsMixin):
     domain = "medical"
 
     def __init__(self, rng: random.Random, target: int, seed_key: str):
@@ -114,7 +113,8 @@ class MedicalSim:
     def set_dose(self, sec: Section, med: str, idx: int, text: str, change: bool) -> None:
         ref = sec.mark(f"dose:{med}:{len(self.doses)}", text, "\n")
         self.meds[med] = idx
-        self.doses.append(DoseSet(self.date, med, self.v["medications"][med]["doses"][idx], ref, change))
+        self.doses.append(DoseSet(self.date, med, self.v["medications"][med]["doses"][idx], ref, change,
+                                  date_ref=Ref(sec, "date")))
 
     def start_med(self, sec: Section, med: str) -> None:
         m = self.v["medications"][med]
@@ -203,10 +203,9 @@ class MedicalSim:
         self.attending, self.service = self.doctor(), self.rng.choice(self.v["services"])
         s = Section("admission", self.date)
         ctx = self.ctx()
-        head = f"HISTORY AND PHYSICAL - ADMISSION {self.n_visits}"
-        ref = s.mark("head", head, "\n")
-        s.line(f"{self.hospital}, {self.rng.choice(self.v['units'])}")
-        s.line(f"Date of admission: {self.d()}    Attending: Dr. {self.attending} ({self.service})")
+        ref = s.mark("date", f"HISTORY AND PHYSICAL - ADMISSION {self.n_visits}\n{self.hospital}, "
+                     f"{self.rng.choice(self.v['units'])}\nDate of admission: {self.d()}",
+                     f"    Attending: Dr. {self.attending} ({self.service})\n")
         s.line(f"Chief complaint: {self.rng.choice(self.cond['chief_complaint'])}.").line()
         s.line("History of present illness: " + fill(self.rng.choice(self.cond["hpi"]), ctx)).line()
         new = [m for pmh in self.pmh for m in self.v["home_meds_by_pmh"].get(pmh, []) if m not in self.meds]
@@ -240,7 +239,7 @@ class MedicalSim:
     def progress_note(self) -> Section:
         s = Section("progress_note", self.date)
         s.line(f"PROGRESS NOTE - {self.service.upper()}, HOSPITAL DAY {self.day}")
-        s.line(f"Date of service: {self.d()}    Attending: Dr. {self.attending}")
+        s.mark("date", f"Date of service: {self.d()}", f"    Attending: Dr. {self.attending}\n")
         s.line("Subjective: " + " ".join(self.rng.sample(self.cond["subjective"], 2)))
         s.line("Objective: " + self.vitals() + " " + self.rng.choice(self.t["general_exam"]) + " "
                + self.rng.choice(self.cond["exam"]))
@@ -268,71 +267,13 @@ class MedicalSim:
         if others and self.rng.random() < 0.15:
             self.change_med(s, self.rng.choice(others))
 
-    def lab_report(self) -> Section:
-        s = Section("labs", self.date)
-        s.line("LABORATORY REPORT")
-        s.line(f"Collected: {self.d()} {self.rng.randint(4, 7):02d}:{self.rng.randint(0, 59):02d}    "
-               f"Accession: L{self.rng.randint(10**6, 10**7 - 1)}")
-        panels = ["BASIC METABOLIC PANEL"] + [p for p, prob in (
-            ("COMPLETE BLOOD COUNT", 0.75), ("MAGNESIUM", 0.4), ("HEPATIC FUNCTION PANEL", 0.15),
-            ("COAGULATION", 0.15), ("CARDIAC MARKERS", 0.15), ("LACTIC ACID", 0.1), ("ENDOCRINE", 0.05),
-        ) if self.rng.random() < prob * (0.3 if self.compact else 1)]
-        for panel in panels:
-            s.line(panel)
-            for analyte in self.v["panels"][panel]:
-                spec = self.v["labs"][analyte]
-                prev = self.lab_state.get(analyte, spec["mean"])
-                value = spec["mean"] + 0.6 * (prev - spec["mean"]) + self.rng.gauss(0, spec["sd"] * 0.8)
-                floor = spec["low"] * 0.6 if spec["low"] > 0 else spec["mean"] * 0.1
-                value = round(max(value, floor), spec["dec"])
-                self.lab_state[analyte] = value
-                text = _num(value, spec["dec"])
-                flag = "H" if value > spec["high"] else "L" if value < spec["low"] else ""
-                ref_range = f"{spec['low']}-{spec['high']}"
-                line = f"  {spec['label']:<32}{text:>8} {flag:<2} {spec['unit']:<10} ({ref_range})"
-                self.labs.append(Lab(self.date, analyte, text, value, flag,
-                                     s.mark(f"lab:{analyte}", line, "\n")))
-        return s
-
-    def study(self) -> Section:
-        keys = [k for k in self.cond_imaging() if k in self.v["imaging"]]
-        key = self.rng.choice(keys)
-        spec = self.v["imaging"][key]
-        s = Section("imaging", self.date)
-        ref = s.mark("head", spec["header"], "\n")
-        s.line(f"Date of exam: {self.d()}    Accession: RAD{self.rng.randint(10**5, 10**6 - 1)}")
-        s.line(f"Ordering physician: Dr. {self.attending if self.in_hospital else self.pcp}    "
-               f"Interpreting radiologist: Dr. {self.doctor()}")
-        s.line("INDICATION: " + self.rng.choice(spec["indication"]))
-        s.line("TECHNIQUE: " + spec["technique"])
-        prior = [e for e in self.events if e.kind == "study" and e.key == key]
-        s.line("COMPARISON: " + (f"{spec['name'].capitalize()} of {self.d(prior[-1].date)}." if prior else "None."))
-        s.line("FINDINGS:")
-        findings = self.rng.sample(spec["findings"], min(3, len(spec["findings"])))
-        value, value_ref = "", None
-        for f in findings:
-            s.line(fill(f, {"size_word": self.rng.choice(["normal in size", "mildly enlarged"])}))
-        if spec["measure"]:
-            m = spec["measure"]
-            value = _num(round(self.rng.uniform(m["low"], m["high"]), m["dec"]), m["dec"])
-            value_ref = s.mark("measure", fill(m["template"], {"value": value, "lobe": self.rng.choice(self.v["lobes"]),
-                                                   "side": self.rng.choice(["right", "left"])}), "\n")
-        s.line("IMPRESSION:")
-        s.line("1. " + findings[0])
-        self.events.append(Event(self.date, "study", key, f"the {spec['name']}", ref, value, value_ref))
-        return s
-
-    def cond_imaging(self) -> list[str]:
-        cond = getattr(self, "cond", self.v["conditions"][0])
-        return cond["imaging"] + ["chest_xray", "ct_chest", "echo"]
-
     def consult(self) -> Section:
         keys = [k for k in self.cond["consults"] if not any(e.key == k for e in self.events)]
         key = self.rng.choice(keys or sorted(self.v["consults"]))
         spec, name = self.v["consults"][key], self.doctor()
         s = Section("consult", self.date)
-        ref = s.mark("head", f"{spec['name'].upper()} CONSULTATION", "\n")
-        who = s.add("Date: ", self.d(), "    Consultant: Dr. ").mark("who", name, ", MD\n")
+        ref = s.mark("head", f"{spec['name'].upper()} CONSULTATION\nDate: {self.d()}", "    Consultant: Dr. ")
+        who = s.mark("who", name, ", MD\n")
         s.line(f"Requesting physician: Dr. {self.attending}")
         s.line(f"Reason for consultation: {self.cond['short']}.")
         s.line("Impression: " + self.rng.choice(self.cond["assessment"]))
@@ -348,10 +289,9 @@ class MedicalSim:
         key = next((k for k in self.incident_keys if k not in used), self.incident_keys[0])
         spec = self.v["incidents"][key]
         s = Section("incident", self.date)
-        s.line(spec["title"])
-        s.line(f"Date: {self.d()}    Author: Dr. {self.attending}")
         time = f"{self.rng.randint(0, 23):02d}:{self.rng.randint(0, 59):02d}"
-        ref = s.mark("what", fill(self.rng.choice(spec["text"]), {**self.p, "time": time}), "\n")
+        text = fill(self.rng.choice(spec["text"]), {**self.p, "time": time})
+        ref = s.mark("what", f"{spec['title']}\nDate: {self.d()}    Author: Dr. {self.attending}\n{text}", "\n")
         if key not in used:
             self.events.append(Event(self.date, "incident", key, spec["name"], ref))
         return s
@@ -368,7 +308,7 @@ class MedicalSim:
         admitted = next(e.date for e in reversed(self.events) if e.kind == "admission")
         ctx = self.ctx(condition=self.cond["name"], service=self.service)
         s.line(f"DISCHARGE SUMMARY - ADMISSION {self.n_visits}")
-        s.line(f"Admission date: {self.d(admitted)}    Discharge date: {self.d()}")
+        s.add(f"Admission date: {self.d(admitted)}    ").mark("date", f"Discharge date: {self.d()}", "\n")
         s.line(f"Attending: Dr. {self.attending}    Principal diagnosis: {self.cond['name']}")
         s.line("Hospital course: " + fill(self.rng.choice(self.t["course_open"]), ctx) + " "
                + self.rng.choice(self.cond["assessment"]) + " " + fill(self.rng.choice(self.t["course_close"]), ctx))
@@ -380,7 +320,7 @@ class MedicalSim:
             s.line("Stopped at discharge (course completed):")
             for med in stopped:
                 ref = s.mark(f"stop:{med}", f"- {med.capitalize()}", "\n")
-                self.doses.append(DoseSet(self.date, med, "", ref, change=False, stop=True))
+                self.doses.append(DoseSet(self.date, med, "", ref, change=False, stop=True, date_ref=Ref(s, "date")))
                 del self.meds[med]
         s.line("Discharge medications:")
         for med in self.meds:
@@ -394,7 +334,7 @@ class MedicalSim:
         self.date += dt.timedelta(days=self.rng.randint(10, 60))
         s = Section("clinic", self.date)
         s.line(f"OUTPATIENT VISIT - {self.rng.choice(self.v['clinics']).upper()}")
-        s.line(f"Date: {self.d()}    Provider: Dr. {self.pcp}")
+        s.mark("date", f"Date: {self.d()}", f"    Provider: Dr. {self.pcp}\n")
         s.line("Interval history: " + " ".join(self.rng.sample(self.v["clinic_subjective"], 2)))
         s.line(f"Vitals: BP {self.rng.randint(104, 162)}/{self.rng.randint(58, 94)} mmHg, HR "
                f"{self.rng.randint(56, 98)}, weight {self.rng.uniform(52, 118):.1f} kg.")

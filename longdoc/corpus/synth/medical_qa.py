@@ -56,15 +56,15 @@ def questions(sim: MedicalSim, ask: Asker, rng: random.Random) -> list[QA]:
                                    unit=m["unit"]))
             else:  # the same study repeated with other values: a distractor
                 for x in _some(rng, evs, 2):
-                    out.append(ask.ask("measure_on_date", x.value, [x.value_ref], label=m["label"], study=x.name[4:],
-                                       unit=m["unit"], date=d(x.date)))
+                    out.append(ask.ask("measure_on_date", x.value, [x.value_ref, x.ref], label=m["label"],
+                                       study=x.name[4:], unit=m["unit"], date=d(x.date)))
 
     # distractors: one lab value among many of the same analyte
     for analyte in sorted(labs_by):
         labs = labs_by[analyte]
         if len(labs) >= 3 and len({lab.text for lab in labs}) >= 2:
             for lab in _some(rng, labs, 1):
-                out.append(ask.ask("lab_on_date", lab.text, [lab.ref], analyte=spec[analyte]["q"],
+                out.append(ask.ask("lab_on_date", lab.text, [lab.ref, lab.header], analyte=spec[analyte]["q"],
                                    unit=spec[analyte]["unit"], date=d(lab.date)))
 
     # multi-hop: a dose or lab on the day of a named event elsewhere in the record
@@ -76,11 +76,11 @@ def questions(sim: MedicalSim, ask: Asker, rng: random.Random) -> list[QA]:
         if dose is not None:
             family, slots = ("dose_on_event", {"event": e.name}) if e.kind == "incident" else \
                 ("dose_on_study", {"study": e.name[4:]})
-            out.append(ask.ask(family, dose.dose, [dose.ref, e.ref], med=med, **slots))
+            out.append(ask.ask(family, dose.dose, [dose.ref, dose.date_ref, e.ref], med=med, **slots))
     for e in (e for e in named if e.kind == "incident"):
         same_day = [lab for lab in sim.labs if lab.date == e.date]
         for lab in _some(rng, same_day, 1):
-            out.append(ask.ask("lab_on_event", lab.text, [lab.ref, e.ref], event=e.name,
+            out.append(ask.ask("lab_on_event", lab.text, [lab.ref, lab.header, e.ref], event=e.name,
                                analyte=spec[lab.analyte]["q"], unit=spec[lab.analyte]["unit"]))
 
     # counting
@@ -135,5 +135,5 @@ def questions(sim: MedicalSim, ask: Asker, rng: random.Random) -> list[QA]:
     start_pairs = [(a, b) for a, b in itertools.combinations(starts.values(), 2) if a.date != b.date]
     for a, b in _some(rng, start_pairs, 2):
         first = a if a.date < b.date else b
-        out.append(ask.ask("med_start_order", first.med, [a.ref, b.ref], a=a.med, b=b.med))
+        out.append(ask.ask("med_start_order", first.med, [a.ref, a.date_ref, b.ref, b.date_ref], a=a.med, b=b.med))
     return out
