@@ -75,10 +75,10 @@ class LoraConfig:
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
-    path: str = ""  # jsonl of documents/windows (from `longdoc data synth`), a folder, or "random"
+    path: str = ""  # documents (jsonl/json/parquet/csv/text folder/hub id), `longdoc data prepare` rows, "random"
     seq_len: int = 4096  # tokens per training sequence (window), before CP sharding
     task: str = "qa"  # for raw documents: "qa" (document + question -> answer, loss on answers) | "pretrain"
-    text_field: str = "document"  # the documents' text field (`longdoc data synth` writes "document")
+    text_field: str | None = None  # pretrain: the documents' text field; null picks text/document/content
     max_sequences: int | None = None  # use only the first N windows (quick runs)
     shuffle: bool = True
     random_size: int = 64  # number of sequences when path == "random" (benchmarks, tests)

@@ -8,9 +8,9 @@ the same full micro-batch without communicating (`cp.shard_batch` then keeps its
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,101 +20,131 @@ from longdoc.train.config import DataConfig, RecipeError
 IGNORE = -100
 
 
-@dataclass
 class Sequences:
-    """Token sequences for training: input_ids and unshifted labels (-100 = no loss), 1-D int64 each."""
+    """Training rows: input_ids and unshifted labels (-100 = no loss), read lazily from a `datasets.Dataset`
+    (memory-mapped Arrow: a corpus of 128k-token rows is not copied into every rank's Python heap)."""
 
-    input_ids: list[torch.Tensor]
-    labels: list[torch.Tensor]
-    source: str
+    def __init__(self, ds, source: str):
+        self.ds = ds.with_format("torch", columns=["input_ids", "labels"])
+        self.source = source
+        self._fingerprint: dict | None = None
 
     def __len__(self) -> int:
-        return len(self.input_ids)
+        return len(self.ds)
+
+    def row(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        r = self.ds[int(i)]
+        return r["input_ids"].long(), r["labels"].long()
+
+    def scan(self, vocab_size: int) -> dict:
+        """One pass over every row: token-id range check and a content fingerprint."""
+        tokens, checksum, low, high = 0, 0, 0, 0
+        for start in range(0, len(self.ds), 256):
+            for j, ids in enumerate(self.ds[start:start + 256]["input_ids"]):
+                tokens += int(ids.numel())
+                low, high = min(low, int(ids.min())), max(high, int(ids.max()))
+                checksum = (checksum + int(ids[:64].sum()) * (start + j + 1)) % (1 << 61)
+        if low < 0 or high >= vocab_size:
+            raise RecipeError(f"data: token ids span [{low}, {high}] but the model's vocabulary has {vocab_size} "
+                              f"entries; the data was tokenized for another model (re-tokenize with this model's "
+                              f"tokenizer)")
+        self._fingerprint = {"sequences": len(self.ds), "tokens": tokens, "checksum": checksum}
+        return self._fingerprint
 
     def fingerprint(self) -> dict:
-        lengths = [int(x.numel()) for x in self.input_ids]
-        checksum = sum(int(x[: 64].sum()) * (i + 1) for i, x in enumerate(self.input_ids)) % (1 << 61)
-        return {"sequences": len(lengths), "tokens": sum(lengths), "checksum": checksum}
+        return self._fingerprint if self._fingerprint is not None else {"sequences": len(self.ds)}
+
+
+def _dataset(columns: dict[str, list]):
+    import datasets
+
+    return datasets.Dataset.from_dict(columns)
 
 
 def random_sequences(n: int, seq_len: int, vocab_size: int, seed: int) -> Sequences:
     """Random tokens (benchmarks, memory tests, exactness tests): every token is a loss token."""
     g = torch.Generator().manual_seed(seed)
-    ids = [torch.randint(0, vocab_size, (seq_len,), generator=g) for _ in range(n)]
-    return Sequences(ids, [x.clone() for x in ids], f"random({n} x {seq_len}, vocab {vocab_size})")
+    ids = [torch.randint(0, vocab_size, (seq_len,), generator=g).tolist() for _ in range(n)]
+    return Sequences(_dataset({"input_ids": ids, "labels": ids}), f"random({n} x {seq_len}, vocab {vocab_size})")
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise RecipeError(f"data.path: {path}:{lineno} is not valid JSON ({e})") from e
-    return rows
+def _is_tokenized(path: Path) -> bool:
+    """Rows with input_ids (`longdoc data prepare` output), as opposed to raw documents."""
+    if path.is_dir():
+        return (path / "dataset_info.json").is_file() or (path / "state.json").is_file()
+    if path.suffix == ".parquet" and path.is_file():
+        import pyarrow.parquet as pq
+
+        return "input_ids" in pq.read_schema(path).names
+    if path.suffix in (".jsonl", ".json") and path.is_file():
+        with open(path) as f:
+            first = f.readline()
+        try:
+            return bool(first.strip()) and "input_ids" in json.loads(first)
+        except json.JSONDecodeError:
+            return False  # the corpus reader reports bad JSON with its line number
+    return False
 
 
-def _windows_from_tokens(rows: list[dict], seq_len: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    ids, labels = [], []
-    for row in rows:
-        x = torch.as_tensor(row["input_ids"], dtype=torch.long)
-        y = torch.as_tensor(row["labels"], dtype=torch.long) if "labels" in row else x.clone()
-        if x.shape != y.shape:
-            raise RecipeError(f"data: a record has {x.numel()} input_ids but {y.numel()} labels")
-        for s in range(0, x.numel(), seq_len):  # longer records are cut into windows
-            ids.append(x[s:s + seq_len])
-            labels.append(y[s:s + seq_len])
-    return ids, labels
+def _load_tokenized(path: Path, seq_len: int):
+    import datasets
+
+    if path.is_dir():
+        ds = datasets.load_from_disk(str(path))
+    else:
+        kind = "parquet" if path.suffix == ".parquet" else "json"
+        ds = datasets.load_dataset(kind, data_files=str(path), split="train")
+    if "cu_seqlens" in ds.column_names and any(len(c) > 2 for c in ds["cu_seqlens"]):
+        raise RecipeError(f"data.path: {path} holds packed rows (several documents per row); under CP they would "
+                          f"attend to each other. Prepare again without --pack")
+    if "labels" not in ds.column_names:
+        ds = ds.add_column("labels", ds["input_ids"])
+    lengths = ds["num_tokens"] if "num_tokens" in ds.column_names else [len(x) for x in ds["input_ids"]]
+    too_long = sum(1 for n in lengths if n > seq_len)
+    if too_long:
+        raise RecipeError(f"data.seq_len={seq_len}: {too_long} rows of {path} are longer (prepared with a larger "
+                          f"--target-tokens); raise data.seq_len or prepare again")
+    return ds
 
 
-def load_sequences(cfg: DataConfig, tokenizer, vocab_size: int, seed: int) -> Sequences:
-    """Sequences from `cfg.path`: "random", a jsonl of tokenized windows, or documents to tokenize."""
+def load_sequences(cfg: DataConfig, tokenizer, vocab_size: int, seed: int, main_first=None) -> Sequences:
+    """Rows from `cfg.path`: "random"; tokenized rows (`longdoc data prepare` output: a dataset folder,
+    parquet or jsonl with input_ids); or raw documents, tokenized here by `longdoc.corpus.prepare`, which
+    caches by content (`main_first`: a context manager letting one rank fill the cache first)."""
     if cfg.path == "random":
         seqs = random_sequences(cfg.random_size, cfg.seq_len, vocab_size, seed)
     else:
         path = Path(cfg.path)
-        if not path.exists():
+        if _is_tokenized(path):
+            seqs = Sequences(_load_tokenized(path, cfg.seq_len), str(path))
+        elif not path.exists() and ("/" not in cfg.path or cfg.path.startswith((".", "/", "~"))
+                                    or cfg.path.endswith((".jsonl", ".json", ".parquet", ".csv"))):
             raise RecipeError(f"data.path: {path} does not exist; generate documents with `longdoc data synth "
-                              f"--domain legal --out {path}` or point data.path at your jsonl/folder")
-        seqs = _load_path(path, cfg, tokenizer)
-    if cfg.max_sequences is not None:
-        seqs = Sequences(seqs.input_ids[: cfg.max_sequences], seqs.labels[: cfg.max_sequences], seqs.source)
-    keep = [i for i, y in enumerate(seqs.labels) if y.numel() >= 2 and bool((y[1:] != IGNORE).any())]
+                              f"--domain legal --out {path}` or point data.path at your documents")
+        else:
+            with main_first() if main_first is not None else contextlib.nullcontext():
+                seqs = Sequences(_prepare(cfg, tokenizer, seed), f"{path} ({cfg.task})")
+    if cfg.max_sequences is not None and cfg.max_sequences < len(seqs):
+        seqs = Sequences(seqs.ds.select(range(cfg.max_sequences)), seqs.source)
+    keep = [i for i in range(len(seqs)) if bool((seqs.row(i)[1][1:] != IGNORE).any())]
     if not keep:
         raise RecipeError(f"data: no training sequence with at least one loss token in {seqs.source} "
-                          f"(empty file, or every label masked); check data.path and data.text_field")
-    seqs = Sequences([seqs.input_ids[i] for i in keep], [seqs.labels[i] for i in keep], seqs.source)
-    top = max(int(x.max()) for x in seqs.input_ids)
-    low = min(int(x.min()) for x in seqs.input_ids)
-    if low < 0 or top >= vocab_size:
-        raise RecipeError(f"data: token ids span [{low}, {top}] but the model's vocabulary has {vocab_size} "
-                          f"entries; the data was tokenized for another model (re-tokenize with this model's "
-                          f"tokenizer)")
+                          f"(empty file, or every label masked); check data.path and data.task")
+    if len(keep) < len(seqs):
+        seqs = Sequences(seqs.ds.select(keep), seqs.source)
+    seqs.scan(vocab_size)
     return seqs
 
 
-def _load_path(path: Path, cfg: DataConfig, tokenizer) -> Sequences:
-    files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
-    rows = [r for f in files for r in _read_jsonl(f)]
-    if not rows:
-        raise RecipeError(f"data: {path} holds no records")
-    if "input_ids" in rows[0]:
-        ids, labels = _windows_from_tokens(rows, cfg.seq_len)
-    else:
-        ids, labels = _tokenize_documents(rows, cfg, tokenizer, str(path))
-    return Sequences(ids, labels, str(path))
+def _prepare(cfg: DataConfig, tokenizer, seed: int):
+    from longdoc.corpus.ingest import CorpusError, Fields
+    from longdoc.corpus.prepare import prepare
 
-
-def _tokenize_documents(rows: list[dict], cfg: DataConfig, tokenizer, where: str):
-    """Documents -> windows of cfg.seq_len tokens through the corpus layer (one implementation)."""
-    if cfg.text_field not in rows[0]:
-        raise RecipeError(f"data.text_field: records in {where} have no {cfg.text_field!r} field (fields: "
-                          f"{sorted(rows[0])}); set data.text_field, or give pre-tokenized input_ids")
-    from longdoc.train import corpus_bridge
-
-    return corpus_bridge.windows(rows, cfg, tokenizer)
+    try:
+        return prepare(cfg.path, tokenizer, task=cfg.task, target_tokens=cfg.seq_len, seed=seed,
+                       fields=Fields(text=cfg.text_field))
+    except (CorpusError, ValueError) as e:
+        raise RecipeError(f"data: {e}") from e
 
 
 class StepSchedule:
@@ -159,16 +189,20 @@ class StepSchedule:
 
 def loss_tokens(seqs: Sequences, indices: Sequence[int]) -> int:
     """Number of tokens with a loss (after the causal shift) in these sequences."""
-    return sum(int((seqs.labels[i][1:] != IGNORE).sum()) for i in indices)
+    return sum(int((seqs.row(i)[1][1:] != IGNORE).sum()) for i in indices)
+
+
+def num_tokens(seqs: Sequences, indices: Sequence[int]) -> int:
+    return sum(int(seqs.row(i)[0].numel()) for i in indices)
 
 
 def collate(seqs: Sequences, indices: Sequence[int], pad_id: int) -> dict[str, torch.Tensor]:
     """Full (unsharded) micro-batch: right-padded input_ids and unshifted labels, (batch, max_len)."""
-    length = max(seqs.input_ids[i].numel() for i in indices)
-    ids = torch.full((len(indices), length), pad_id, dtype=torch.long)
-    labels = torch.full((len(indices), length), IGNORE, dtype=torch.long)
-    for row, i in enumerate(indices):
-        n = seqs.input_ids[i].numel()
-        ids[row, :n] = seqs.input_ids[i]
-        labels[row, :n] = seqs.labels[i]
+    rows = [seqs.row(i) for i in indices]
+    length = max(x.numel() for x, _ in rows)
+    ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), length), IGNORE, dtype=torch.long)
+    for r, (x, y) in enumerate(rows):
+        ids[r, :x.numel()] = x
+        labels[r, :y.numel()] = y
     return {"input_ids": ids, "labels": labels}

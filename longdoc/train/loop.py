@@ -29,8 +29,8 @@ import yaml
 
 from longdoc.train import checkpoint
 from longdoc.train.config import Recipe, RecipeError
-from longdoc.train.data import StepSchedule, collate, load_sequences, loss_tokens
-from longdoc.train.loss import LossModel, check_head
+from longdoc.train.data import StepSchedule, collate, load_sequences, loss_tokens, num_tokens
+from longdoc.train.loss import ChunkStats, LossModel, check_head
 from longdoc.train.metrics import JSONLTracker, PeakMemory, Progress, plot_loss
 from longdoc.train.modeling import build, export, trainable_parameters
 from longdoc.train.world import World, start
@@ -119,7 +119,7 @@ def _all_reduce(values: list[float], op, device: torch.device) -> list[float]:
 def _probe_head(model, world: World, seqs, pad_id: int) -> None:
     # A short sequence through both the model's own logits and the chunked path (same on all ranks).
     n = max(8, world.cp.multiple) * 2
-    ids = seqs.input_ids[0][:n]
+    ids = seqs.row(0)[0][:n]
     if ids.numel() < n:
         ids = torch.cat([ids, ids.new_full((n - ids.numel(),), pad_id)])
     local = world.cp.shard_batch({"input_ids": ids[None]}, pad_token_id=pad_id)
@@ -180,10 +180,12 @@ def train(recipe: Recipe, *, on_step: Callable[[StepInfo], None] | None = None) 
     model, tokenizer = build(recipe.model, recipe.lora, recipe.train, world.cp, recipe.data.seq_len)
     vocab = model.get_input_embeddings().num_embeddings
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    seqs = load_sequences(recipe.data, tokenizer, vocab, recipe.seed)
+    seqs = load_sequences(recipe.data, tokenizer, vocab, recipe.seed, main_first=acc.main_process_first)
     schedule = StepSchedule(len(seqs), recipe.train.batch_size, recipe.train.micro_batch_size, world.dp_size,
                             recipe.seed, recipe.data.shuffle)
     _probe_head(model, world, seqs, pad_id)
+    logit_rows = ChunkStats()  # the largest logits block per step goes to the metrics: never the full sequence
+    model.get_output_embeddings().register_forward_hook(logit_rows)
     loss_model = LossModel(model, recipe.train.loss_chunk_tokens)
     optimizer = _optimizer(loss_model, recipe)
     loss_model, optimizer = acc.prepare(loss_model, optimizer)
@@ -218,6 +220,7 @@ def train(recipe: Recipe, *, on_step: Callable[[StepInfo], None] | None = None) 
     last_ckpt, skipped_in_row = checkpoint.latest(ck_root), 0
     for step in range(start_step, recipe.train.steps):
         peak.reset()
+        logit_rows.max_rows = 0
         t0 = time.perf_counter()
         step_idx = schedule.step_indices(step)
         n_loss = loss_tokens(seqs, step_idx)  # the whole step, every replica: the share's denominator
@@ -232,6 +235,8 @@ def train(recipe: Recipe, *, on_step: Callable[[StepInfo], None] | None = None) 
                 acc.backward(share * world.world_size)  # undo DDP/FSDP's average over the world (docstring)
             loss_sum += share.detach().double().cpu()
         grad_norm = acc.clip_grad_norm_(params, recipe.optim.max_grad_norm or float("inf"))
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
+            grad_norm = grad_norm.full_tensor()
         grad_norm = float(grad_norm) if grad_norm is not None else 0.0
         (loss,) = _all_reduce([float(loss_sum)], dist.ReduceOp.SUM, world.device)
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
@@ -253,7 +258,7 @@ def train(recipe: Recipe, *, on_step: Callable[[StepInfo], None] | None = None) 
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
         step_s = time.perf_counter() - t0
-        tokens = sum(int(seqs.input_ids[i].numel()) for i in step_idx)
+        tokens = num_tokens(seqs, step_idx)
         mine = peak.peak_gb()
         (peak_max,) = _all_reduce([mine], dist.ReduceOp.MAX, world.device)
         info = StepInfo(step + 1, loss, lr, grad_norm, tokens, step_s, mine, peak_max, not finite, world)
@@ -262,7 +267,9 @@ def train(recipe: Recipe, *, on_step: Callable[[StepInfo], None] | None = None) 
         if (step + 1) % recipe.log.every == 0 or step + 1 == recipe.train.steps:
             acc.log({"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
                      "tokens_per_s": tokens / step_s, "step_s": step_s, "peak_gb": mine, "peak_gb_max": peak_max,
-                     "epoch": schedule.epoch(step + 1), "skipped": skipped_total}, step=step + 1)
+                     "epoch": schedule.epoch(step + 1), "skipped": skipped_total,
+                     "logit_rows_max": logit_rows.max_rows, "local_tokens": int(local["input_ids"].numel())},
+                    step=step + 1)
         if on_step is not None:
             on_step(info)
         every = recipe.checkpoint.every
