@@ -37,7 +37,7 @@ from longdoc.corpus.qa_format import INSTRUCTION, qa_parts
 from longdoc.corpus.windows import evidence_pieces, pack_rows, pretrain_rows, qa_row, segment_row
 
 MAX_TARGET = 1 << 20
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2
 _SEP = " [...] "
 
 
@@ -114,8 +114,8 @@ def _rows(batch: dict[str, list], tokenizer: Any, task: str, target: int, overla
     rows: list[dict[str, Any]] = []
     if task == "pretrain":
         eos = tokenizer.eos_token_id if add_eos else None
-        for ids, doc_id, source in zip(tk.encode(tokenizer, batch["text"])["input_ids"], batch["doc_id"],
-                                       batch["source"]):
+        encoded = tk.encode(tokenizer, batch["text"], special=True)["input_ids"]  # BOS where the model uses one
+        for ids, doc_id, source in zip(encoded, batch["doc_id"], batch["source"]):
             ids = ids + [eos] if eos is not None and (not ids or ids[-1] != eos) else ids
             rows += pretrain_rows(ids, target, overlap, doc_id, source)
         rows = pack_rows(rows, target) if pack else rows

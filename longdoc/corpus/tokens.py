@@ -29,9 +29,10 @@ def tokenizer_name(tokenizer: Any, given: Any = None) -> str:
     return str(path)
 
 
-def encode(tokenizer: Any, texts: list[str], offsets: bool = False) -> dict[str, list]:
-    """Token ids (and char offsets) of each text, no special tokens added, no length warnings."""
-    return tokenizer(texts, add_special_tokens=False, return_offsets_mapping=offsets,
+def encode(tokenizer: Any, texts: list[str], offsets: bool = False, special: bool = False) -> dict[str, list]:
+    """Token ids (and char offsets) of each text, no length warnings; `special`: add the tokenizer's
+    special tokens (e.g. a BOS) as it does by default."""
+    return tokenizer(texts, add_special_tokens=special, return_offsets_mapping=offsets,
                      return_attention_mask=False, verbose=False)
 
 

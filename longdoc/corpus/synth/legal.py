@@ -75,8 +75,8 @@ class LegalSim(Discovery):
         self.style = rng.choice(DATE_STYLES)
         self.ckey = rng.choice(sorted(v["case_types"]))
         ct = self.ct = v["case_types"][self.ckey]
-        self.court = rng.choice(v["courts"])
         self.city, self.state = rng.choice(self.common["cities"])
+        self.court = fill(rng.choice(v["courts"]), {"city": self.city, "state": self.state})
         self.judge = "Hon. " + " ".join(person_name(rng, self.common, self.used)[:2])
         self.d_short = rng.choice(v["company_words"])
         self.defendant = f"{self.d_short} {rng.choice(ct['defendant_suffix'])}"
@@ -97,7 +97,7 @@ class LegalSim(Discovery):
         self.date = self.incident + dt.timedelta(days=rng.randint(60, 400))
         year = self.date.year
         self.case_no = (f"{rng.randint(1, 3)}:{year % 100}-cv-{rng.randint(100, 9999):05d}"
-                        if "District Court" in self.court else f"{year}-CV-{rng.randint(1000, 99999)}")
+                        if self.court.startswith("United States") else f"{year}-CV-{rng.randint(1000, 99999)}")
         self.damages = rng.randint(15, 900) * 5000
         self.trial: list[TrialSetting] = []
         self.demands: list[Dated] = []
@@ -312,7 +312,8 @@ class LegalSim(Discovery):
         s = Section("notice", self.date, inert=True)
         s.line(f"{title} ({self.plaintiff} v. {self.defendant}, Case No. {self.case_no})")
         s.line(fill(body, {"attorney": c["name"], "firm": c["firm"], "party": side.capitalize(), "date": self.d(),
-                           "vendor": self.rng.choice(sorted(self.ct["vendors"])), "judge": self.judge}))
+                           "vendor": self.rng.choice(sorted(self.ct["vendors"])),
+                           "judge": self.judge.removeprefix("Hon. ")}))
         return s.line(f"/s/ {c['name']}, {c['firm']}")
 
     def closing(self) -> list[Section]:

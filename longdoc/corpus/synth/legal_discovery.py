@@ -72,11 +72,12 @@ class Discovery:
             topical.insert(r.randrange(len(topical) + 1), (
                 f"Let me hand you what has been marked as Exhibit {inv.exhibit}. Do you recognize this document?",
                 f"Yes. It's the invoice from {inv.vendor}.", f"exhibit:{inv.exhibit}"))
-        for q, a, fact in qa + topical:
+        for i, (q, a, fact) in enumerate(qa + topical):
             s.line(f"Q. {q}")
-            if r.random() < 0.12:
+            if i >= len(qa) and r.random() < 0.15:  # objections to substance, not to the background questions
                 s.line(f"{de['title']} {de['last'].upper()}: {r.choice(v['objections'])}")
-                s.line(f"BY {ex['title']} {ex['last'].upper()}:") if r.random() < 0.5 else None
+                if r.random() < 0.5:
+                    s.line(f"BY {ex['title']} {ex['last'].upper()}:")
             if fact.startswith("exhibit:"):
                 dep.shown.append((int(fact.split(":")[1]), s.mark("shown", f"A. {a}", "\n")))
             elif fact.endswith("years"):
@@ -108,7 +109,7 @@ class Discovery:
         s.line(vendor.upper()).line("INVOICE")
         number_ref = s.add("Invoice No.: ").mark("number", number, "\n")
         s.line(f"Invoice date: {self.d(when)}    Terms: Net 30")
-        s.line(f"Bill to: {self.plaintiff}")
+        s.line(f"Bill to: {self.party(self.ct.get('bill_to', 'plaintiff'))}")
         items = self.ct["vendors"][vendor]
         cents = [r.randint(2_000, 300_000) * 5 for _ in range(r.randint(1, len(items)))]
         for item, amount in zip(r.sample(items, len(cents)), cents):

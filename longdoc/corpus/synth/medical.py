@@ -65,7 +65,9 @@ class MedicalSim(TestsMixin):
                   "age": rng.randint(38, 91), "relation": rng.choice(self.v["relations"])}
         self.sex = sex
         self.hospital = rng.choice(self.v["hospitals"])
-        self.pmh = rng.sample(self.v["pmh"], rng.randint(3, 6))
+        first = rng.choice(self.v["conditions"])  # the history fits the first admission's condition
+        self.pmh = first["pmh"] + [x for x in rng.sample(self.v["pmh"], rng.randint(3, 6)) if x not in first["pmh"]]
+        self.conditions = [first]
         self.allergy = rng.choice(self.v["allergens"])
         self.reaction = rng.choice(self.allergy["reactions"])
         self.mrn = f"{rng.randint(0, 99_999_999):08d}"
@@ -199,7 +201,8 @@ class MedicalSim(TestsMixin):
         self.date += dt.timedelta(days=self.rng.randint(9, 75) if self.n_visits else 0)
         self.in_hospital, self.day, self.los = True, 0, self.rng.randint(3, 9)
         self.n_visits += 1
-        self.cond = self.rng.choice(self.v["conditions"])
+        fits = [c for c in self.v["conditions"] if set(c["pmh"]) <= set(self.pmh)]
+        self.cond = self.conditions.pop() if self.conditions else self.rng.choice(fits)
         self.attending, self.service = self.doctor(), self.rng.choice(self.v["services"])
         s = Section("admission", self.date)
         ctx = self.ctx()

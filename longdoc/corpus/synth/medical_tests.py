@@ -46,7 +46,8 @@ class TestsMixin:
         from longdoc.corpus.synth.medical import Event
 
         keys = [k for k in self.cond_imaging() if k in self.v["imaging"]]
-        key = self.rng.choice(keys)
+        recent = {e.key for e in self.events if e.kind == "study" and (self.date - e.date).days < 14}
+        key = self.rng.choice([k for k in keys if k not in recent] or keys)
         spec = self.v["imaging"][key]
         s = Section("imaging", self.date)
         ref = s.mark("head", f"{spec['header']}\nDate of exam: {self.d()}",
@@ -56,7 +57,8 @@ class TestsMixin:
         s.line("INDICATION: " + self.rng.choice(spec["indication"]))
         s.line("TECHNIQUE: " + spec["technique"])
         prior = [e for e in self.events if e.kind == "study" and e.key == key]
-        s.line("COMPARISON: " + (f"{spec['name'].capitalize()} of {self.d(prior[-1].date)}." if prior else "None."))
+        s.line("COMPARISON: " + (f"{spec['name'][0].upper()}{spec['name'][1:]} of {self.d(prior[-1].date)}."
+                                 if prior else "None."))
         s.line("FINDINGS:")
         findings = self.rng.sample(spec["findings"], min(3, len(spec["findings"])))
         value, value_ref = "", None
