@@ -75,7 +75,6 @@ def test_other_lengths(domain, tokens, tok):
         assert len({q["kind"] for r in records for q in r["qa"]}) >= 6
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("domain", ["legal", "medical"])
 def test_128k(domain, tok):
     _check_records(generate(domain, num_docs=1, tokens=131072, seed=0, tokenizer=tok), tok, 131072)

@@ -35,7 +35,7 @@ from longdoc.corpus.synth.base import QA, SECTION_SEPARATOR, Asker, Section
 DOMAINS = ("legal", "medical")
 KINDS = ("lookup", "distractor", "multi_hop", "count", "aggregate", "temporal_order", "interval", "latest")
 MIN_TOKENS, MAX_TOKENS = 1024, 1_048_576
-_TOLERANCE = 0.02
+_TOLERANCE = 0.01
 _FILLER_RATE = 0.12
 
 
@@ -133,18 +133,24 @@ def _snapshot(sim: Any) -> dict[str, Any]:
 
 
 def _fit(sim: Any, tok: Any, target: int, sections: list[Section], closing: list[Section]):
-    """Join, count exactly, then add or drop inert sections until within tolerance."""
-    for attempt in range(9):
+    """Join, count exactly, then add or drop inert sections; keeps the closest fit seen."""
+    best: tuple[int, list[Section]] | None = None
+    for _ in range(10):
         text = _join(sections + closing)
-        offsets = tk.encode(tok, [text], offsets=True)["offset_mapping"][0]
-        err = len(offsets) - target
-        if abs(err) <= _TOLERANCE * target or attempt == 8:
+        err = len(tk.encode(tok, [text])["input_ids"][0]) - target
+        if best is None or abs(err) < abs(best[0]):
+            best = (err, list(sections))
+        if abs(err) <= _TOLERANCE * target:
             break
         if err < 0:
-            while err < 0:
+            for _ in range(50):  # add fillers while each one brings the length closer
                 s = sim.filler()
+                if _measure(tok, [s]) >= 2 * -err:
+                    break
                 sections.append(s)
-                err += _measure(tok, [s])
+                err += s.tokens
+                if err >= 0:
+                    break
         else:
             inert = sorted((i for i, s in enumerate(sections) if s.inert), key=lambda i: (-sections[i].tokens, i))
             drop = set()
@@ -157,9 +163,12 @@ def _fit(sim: Any, tok: Any, target: int, sections: list[Section], closing: list
             if not drop:
                 break
             sections = [s for i, s in enumerate(sections) if i not in drop]
+    err, sections = best
     if abs(err) > 0.05 * target:
         raise RuntimeError(f"could not fit a {sim.domain} document to {target} tokens (got {target + err}); "
                            f"targets of at least 2048 tokens are reliable")
+    text = _join(sections + closing)
+    offsets = tk.encode(tok, [text], offsets=True)["offset_mapping"][0]
     return sections + closing, text, offsets
 
 

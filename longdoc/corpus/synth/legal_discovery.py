@@ -63,7 +63,8 @@ class Discovery:
         topical += [(q, fill(a, slots), "") for q, a in generic]
         if not any(w in role for w in _NO_SCENE):
             times = {dx.arrival.text for dx in self.depositions if dx.arrival}
-            t = next(x for x in (fmt_time(r.randint(60, 240) * 5) for _ in range(50)) if x not in times)
+            candidates = [fmt_time(r.randint(60, 240) * 5) for _ in range(20)]
+            t = next((x for x in candidates if x not in times), candidates[0])  # distinct while they last
             topical.insert(r.randrange(len(topical) + 1), (
                 f"What time did you arrive at {self.place} on {self.d(self.incident)}?",
                 r.choice(_ARRIVAL).format(time=t), t))
