@@ -64,6 +64,11 @@ def test_acceptance_4_docs_of_32k(domain, tok):
             phrasings[q["kind"]].add(q["template"])
     assert all(len(t) >= 2 for t in phrasings.values()), phrasings
     assert len({r["document"][:2000] for r in records}) == 4, "documents must differ"
+    spreads = [max(e["depth"] for e in q["evidence"]) - min(e["depth"] for e in q["evidence"])
+               for r in records for q in r["qa"] if q["kind"] == "multi_hop"]
+    assert max(spreads) > 0.1, "multi-hop questions should join facts far apart"
+    depths = sorted(q["depth"] for r in records for q in r["qa"])
+    assert depths[len(depths) // 4] < 0.5 < depths[3 * len(depths) // 4], "evidence spread over the documents"
 
 
 @pytest.mark.parametrize("domain", ["legal", "medical"])

@@ -53,6 +53,11 @@ def fmt_date(d: dt.date, style: str) -> str:
     raise ValueError(f"date style must be one of {DATE_STYLES}, got {style!r}")
 
 
+def date_aliases(d: dt.date, style: str) -> list[str]:
+    """The same date in the other styles, so a correct answer in another format still matches."""
+    return [fmt_date(d, other) for other in DATE_STYLES if other != style]
+
+
 def fmt_money(cents: int) -> str:
     """12345678 -> '$123,456.78'."""
     return f"${cents // 100:,}.{cents % 100:02d}"

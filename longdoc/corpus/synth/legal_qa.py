@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import random
 
-from longdoc.corpus.synth.base import QA, Asker, Ref, money_aliases, number_aliases
+from longdoc.corpus.synth.base import QA, Asker, Ref, date_aliases, money_aliases, number_aliases
 from longdoc.corpus.synth.legal import LegalSim
 
 
@@ -37,7 +37,8 @@ def questions(sim: LegalSim, ask: Asker, rng: random.Random) -> list[QA]:
     out.append(ask.ask("judge", sim.judge, [Ref(complaint, "judge")], [sim.judge.removeprefix("Hon. ")], **parties))
     out.append(ask.ask("damages_sought", f["damages"].text, [f["damages"].ref], money_aliases(f["damages"].text)))
     if "incident" in f:
-        out.append(ask.ask("incident_date", f["incident"].text, [f["incident"].ref], incident=incident))
+        out.append(ask.ask("incident_date", f["incident"].text, [f["incident"].ref],
+                           date_aliases(sim.incident, sim.style), incident=incident))
     for side, key in (("plaintiff", "filed"), ("defendant", "answer")):
         if key in f:
             out.append(ask.ask("firm", sim.counsel[side]["firm"], [Ref(f[key].ref.section, f"firm_{side}")], side=side))
@@ -50,7 +51,8 @@ def questions(sim: LegalSim, ask: Asker, rng: random.Random) -> list[QA]:
     deps = sim.depositions
     if len({x.date for x in deps}) >= 2:
         for dep in _some(rng, deps, 2):
-            out.append(ask.ask("deposition_date", d(dep.date), [dep.date_ref], witness=dep.witness))
+            out.append(ask.ask("deposition_date", d(dep.date), [dep.date_ref], date_aliases(dep.date, sim.style),
+                               witness=dep.witness))
     pron = {"F": ("she", "her"), "M": ("he", "his")}
     with_arrival = [x for x in deps if x.arrival]
     if len(with_arrival) >= 2:
@@ -72,7 +74,7 @@ def questions(sim: LegalSim, ask: Asker, rng: random.Random) -> list[QA]:
             if setting is not None:
                 movant = f"the {m.side}"
                 out.append(ask.ask("trial_at_motion", setting.text, [setting.ref, setting.ordered, m.filed.ref],
-                                   movant=movant,
+                                   date_aliases(setting.trial, sim.style), movant=movant,
                                    motion=m.name.split("'s ", 1)[1]))
     for dep in _some(rng, deps, 3):
         demand = _before(sim.demands, dep.date)
@@ -106,7 +108,8 @@ def questions(sim: LegalSim, ask: Asker, rng: random.Random) -> list[QA]:
             top = max(items, key=lambda x: x.value)
             out.append(ask.ask(family, top.text, [top.ref], money_aliases(top.text)))
     if sim.trial:
-        out.append(ask.ask("current_trial", sim.trial[-1].text, [sim.trial[-1].ref, sim.trial[-1].ordered]))
+        last = sim.trial[-1]
+        out.append(ask.ask("current_trial", last.text, [last.ref, last.ordered], date_aliases(last.trial, sim.style)))
     for family, items in (("last_offer", sim.offers), ("last_demand", sim.demands)):
         if len(items) >= 2:
             last = items[-1]
