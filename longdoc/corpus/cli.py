@@ -25,7 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--domain", required=True, choices=["legal", "medical"])
     s.add_argument("--num-docs", type=int, default=4)
     s.add_argument("--tokens", type=int, default=32768, help="document length in the tokenizer's tokens "
-                   "(4096-131072 intended; 1024-1048576 accepted; within 2%%)")
+                   "(4096-131072 intended; 1024-1048576 accepted; within 1%% from 4096)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--tokenizer", default=None, help="model name or path (default: SmolLM2-135M-Instruct)")
     s.add_argument("--qa-per-kind", type=int, default=2, help="questions per kind per document (default 2)")
