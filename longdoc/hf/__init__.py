@@ -5,6 +5,6 @@ Importing this package imports transformers; `import longdoc` alone does not.
 
 from longdoc.hf.attention import UnsupportedFeatureError
 from longdoc.hf.batch import shard_batch, shift_labels
-from longdoc.hf.patch import is_patched, patch, unpatch
+from longdoc.hf.patch import CPInputError, is_patched, patch, unpatch
 
-__all__ = ["UnsupportedFeatureError", "is_patched", "patch", "shard_batch", "shift_labels", "unpatch"]
+__all__ = ["CPInputError", "UnsupportedFeatureError", "is_patched", "patch", "shard_batch", "shift_labels", "unpatch"]

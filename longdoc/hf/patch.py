@@ -30,7 +30,7 @@ from longdoc.parallel import comm
 from longdoc.parallel import layout as layouts
 from longdoc.parallel.api import STRATEGIES, ContextParallel
 
-__all__ = ["patch", "unpatch", "is_patched", "UnsupportedFeatureError"]
+__all__ = ["patch", "unpatch", "is_patched", "UnsupportedFeatureError", "CPInputError"]
 
 # Layer kinds whose attention is plain causal (sliding windows are checked against the length per call);
 # the MLP kinds carry no attention at all.
@@ -125,6 +125,24 @@ def _right_padded(mask: torch.Tensor) -> bool:
     return bool((m[:, 1:] <= m[:, :-1]).all()) if m.shape[1] > 1 else True
 
 
+class _Input(tuple):
+    """A (what, fix) problem with the call's inputs rather than with a model feature."""
+
+    def __new__(cls, what: str, fix: str):
+        return super().__new__(cls, (what, fix))
+
+
+class CPInputError(ValueError):
+    """Inputs a patched model cannot run exactly under CP (build them with cp.shard_batch)."""
+
+
+def _raise(handle: CPHandle, problem: tuple[str, str]):
+    if isinstance(problem, _Input):
+        raise CPInputError(f"longdoc.patch: {handle.model_name} was called with {problem[0]} under context "
+                           f"parallelism; {problem[1]}")
+    raise refuse(handle.model_name, *problem)
+
+
 _PADDING_FIX = ("right padding only: tokenize with tokenizer.padding_side = 'right' (cp.shard_batch checks "
                 "and handles right padding)")
 
@@ -141,22 +159,22 @@ def _call_problem(handle: CPHandle, call: dict) -> tuple[str, str] | None:
     local_len = x.shape[1]
     chunks = len(layouts.chunk_ids(cp.layout, 0, cp.size))
     if local_len % chunks:
-        return (f"a local sequence of {local_len} tokens", f"the {cp.layout} layout holds {chunks} equal chunks "
+        return _Input(f"a local sequence of {local_len} tokens", f"the {cp.layout} layout holds {chunks} equal chunks "
                 f"per rank; build the local batch with cp.shard_batch, which pads")
     global_len = local_len * cp.size
     pos = call.get("position_ids")
     if pos is None:
-        return ("no position_ids", "under CP every rank must pass the GLOBAL positions of its tokens "
+        return _Input("no position_ids", "under CP every rank must pass the GLOBAL positions of its tokens "
                 "(cp.shard_batch provides them); without them RoPE would see local positions")
     expected = cp.positions(global_len, device=pos.device)
     if pos.shape[-1] != local_len or not bool((pos == expected).all()):
-        return ("position_ids that are not this rank's global positions",
+        return _Input("position_ids that are not this rank's global positions",
                 "pass the position_ids made by cp.shard_batch (packed sequences / offsets are not supported)")
     if call.get("labels") is not None and call.get("shift_labels") is None:
-        return ("labels without shift_labels", "labels must be shifted over the FULL sequence before sharding; "
+        return _Input("labels without shift_labels", "labels must be shifted over the FULL sequence before sharding; "
                 "build the batch with cp.shard_batch (it passes shift_labels and num_items_in_batch)")
     if call.get("shift_labels") is not None and call.get("num_items_in_batch") is None:
-        return ("shift_labels without num_items_in_batch", "pass the global number of loss tokens "
+        return _Input("shift_labels without num_items_in_batch", "pass the global number of loss tokens "
                 "(cp.shard_batch does) so that the per-rank losses sum to the mean")
     if call.get("output_router_logits"):
         return ("the MoE router auxiliary loss (output_router_logits=True)",
@@ -194,7 +212,7 @@ def _pre_forward(handle: CPHandle, signature: inspect.Signature, module, args, k
     else:
         any_pad = has_pad
     if problem is not None:
-        raise refuse(handle.model_name, *problem)
+        _raise(handle, problem)
     if any_pad:
         if cp.size == 1:
             full = mask

@@ -12,7 +12,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 import longdoc
 from longdoc import models
-from longdoc.hf import UnsupportedFeatureError, is_patched, patch, unpatch
+from longdoc.hf import CPInputError, UnsupportedFeatureError, is_patched, patch, unpatch
 from longdoc.hf.attention import NAME, cp_attention_forward
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -244,11 +244,18 @@ def test_refuses_left_padding_passed_to_the_model(cp):
 def test_refuses_inputs_not_built_by_shard_batch(cp):
     model = patch(models.tiny_model("llama"), cp)
     ids = _ids(20)
-    _refuses("uses no position_ids", model, input_ids=ids)
-    _refuses("position_ids that are not this rank's global positions", model, input_ids=ids,
-             position_ids=torch.arange(1, 21)[None])
-    _refuses("labels without shift_labels", model, input_ids=ids, position_ids=torch.arange(20)[None], labels=ids)
-    _refuses(r"a local sequence of 19 tokens", model, input_ids=ids[:, :19], position_ids=torch.arange(19)[None])
+
+    def bad(match, **kw):
+        with pytest.raises(CPInputError, match=f"LlamaForCausalLM was called with {match}"):
+            model(**kw)
+
+    bad("no position_ids under context parallelism", input_ids=ids)
+    bad("position_ids that are not this rank's global positions", input_ids=ids,
+        position_ids=torch.arange(1, 21)[None])
+    bad("labels without shift_labels", input_ids=ids, position_ids=torch.arange(20)[None], labels=ids)
+    bad("shift_labels without num_items_in_batch", input_ids=ids, position_ids=torch.arange(20)[None],
+        labels=ids, shift_labels=ids)
+    bad(r"a local sequence of 19 tokens", input_ids=ids[:, :19], position_ids=torch.arange(19)[None])
 
 
 def test_refuses_decoding_with_a_kv_cache(cp):
