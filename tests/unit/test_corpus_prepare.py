@@ -125,6 +125,7 @@ BAD = [  # (file name, content, expected message, reason)
      r"bad\.json:5: record has no field 'text'", "missing field"),
     ("bad.csv", b'id,text\n1,"two\nlines"\n2,\n3,fine\n', r"bad\.csv:4: field 'text' is empty", "empty document"),
     ("bad.csv", b'id,text\n1,ok\n2,\xff\xfe bad\n', r"bad\.csv:3: invalid UTF-8", "invalid UTF-8"),
+    ("bad.json", b'[\n  {"text": "a"},\n  {"text": "caf\xe9"}\n]\n', r"bad\.json:3: invalid UTF-8", "invalid UTF-8"),
 ]
 
 
