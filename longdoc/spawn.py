@@ -70,9 +70,12 @@ def run_local(world_size: int, fn: Callable[..., Any], *args: Any, deadline: flo
                     rank, status, value = results.get(timeout=min(left, 1.0))
                     out[rank] = (status, value)
                 except queue.Empty:
-                    dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode not in (None, 0)]
-                    if dead and all(p.exitcode is not None for r, p in enumerate(procs) if r not in out):
-                        break
+                    # A rank that exited without reporting (killed, crashed while starting) will never
+                    # answer; the others get one process-group timeout to notice and report, no more.
+                    if any(p.exitcode is not None for r, p in enumerate(procs) if r not in out):
+                        end = min(end, datetime.datetime.now() + datetime.timedelta(seconds=pg_timeout + 10))
+                        if all(p.exitcode is not None for r, p in enumerate(procs) if r not in out):
+                            break
         finally:
             for p in procs:
                 p.join(timeout=5)
@@ -81,7 +84,8 @@ def run_local(world_size: int, fn: Callable[..., Any], *args: Any, deadline: flo
                     p.join()
     missing = [r for r in range(world_size) if r not in out]
     if missing:
-        raise AssertionError(f"ranks {missing} gave no result within {deadline}s (hang or crash)")
+        codes = {r: procs[r].exitcode for r in missing}
+        raise AssertionError(f"ranks {missing} gave no result within {deadline}s (hang or crash; exit codes {codes})")
     if allow_errors:
         return [out[r][1] if out[r][0] == "ok" else ("error", out[r][1]) for r in range(world_size)]
     errors = [f"--- rank {r} ---\n{v}" for r, (s, v) in sorted(out.items()) if s == "error"]
