@@ -38,12 +38,12 @@ DEMO_OUT ?= runs/cpu-demo
 DEMO_DATA ?= runs/data
 demo: install
 	@start=$$(date +%s); set -e; export HF_HUB_OFFLINE=1; \
-	echo "== 1/3 data: generated legal case files (train: seed 0, held out: seed 1)"; \
-	$(PY) -m longdoc data synth --domain legal --num-docs 8 --tokens 4096 --seed 0 --out $(DEMO_DATA)/legal-4k-train.jsonl; \
+	echo "== 1/3 data: generated legal case files (train: seed 0, held out: seed 1)"; mkdir -p $(DEMO_DATA); \
+	$(PY) -m longdoc data synth --domain legal --num-docs 4 --tokens 4096 --seed 0 --out $(DEMO_DATA)/legal-4k-train.jsonl; \
 	$(PY) -m longdoc data synth --domain legal --num-docs 4 --tokens 4096 --seed 1 --out $(DEMO_DATA)/legal-4k-heldout.jsonl; \
 	echo "== 2/3 train: recipes/cpu-demo.yaml, cp=2 over 2 CPU processes"; \
 	$(VENV)/bin/accelerate launch --config_file recipes/accelerate/cpu-2proc.yaml -m longdoc train \
-		recipes/cpu-demo.yaml output_dir=$(DEMO_OUT) data.path=$(DEMO_DATA)/legal-4k-train.jsonl; \
+		recipes/cpu-demo.yaml output_dir=$(DEMO_OUT) data.path=$(DEMO_DATA)/legal-4k-train.jsonl overwrite=true; \
 	echo "== 3/3 eval: base vs fine-tuned on the held-out documents"; \
 	$(MAKE) --no-print-directory demo-eval DEMO_OUT=$(DEMO_OUT) DEMO_DATA=$(DEMO_DATA); \
 	echo "demo finished in $$(( $$(date +%s) - start )) s; outputs in $(DEMO_OUT)/"

@@ -44,6 +44,9 @@ def _run(args: argparse.Namespace) -> int:
     except (RecipeError, CheckpointError) as e:
         print(f"longdoc train: {e}", file=sys.stderr)
         return 2
+    except FloatingPointError as e:  # train.on_nonfinite=abort, or too many skipped steps
+        print(f"longdoc train: stopped: {e}", file=sys.stderr)
+        return 1
     from longdoc.train.report import summary
 
     text = summary(result)

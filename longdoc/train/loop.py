@@ -116,14 +116,15 @@ def _all_reduce(values: list[float], op, device: torch.device) -> list[float]:
     return t.tolist()
 
 
-def _probe_head(model, world: World, seqs, pad_id: int) -> None:
-    # A short sequence through both the model's own logits and the chunked path (same on all ranks).
+def _probe_head(loss_model, world: World, seqs, pad_id: int, name: str) -> None:
+    # A short sequence through both the model's own logits and the chunked path (same on all ranks),
+    # after Accelerate placed and wrapped the model, so it runs where and as training will.
     n = max(8, world.cp.multiple) * 2
     ids = seqs.row(0)[0][:n]
     if ids.numel() < n:
         ids = torch.cat([ids, ids.new_full((n - ids.numel(),), pad_id)])
     local = world.cp.shard_batch({"input_ids": ids[None]}, pad_token_id=pad_id)
-    check_head(model, local["input_ids"].to(world.device), local["position_ids"].to(world.device))
+    check_head(loss_model, local["input_ids"].to(world.device), local["position_ids"].to(world.device), name)
 
 
 def _resume_checks(state: dict, recipe: Recipe, fingerprint: dict, world: World, say) -> None:
@@ -183,12 +184,12 @@ def train(recipe: Recipe, *, on_step: Callable[[StepInfo], None] | None = None) 
     seqs = load_sequences(recipe.data, tokenizer, vocab, recipe.seed, main_first=acc.main_process_first)
     schedule = StepSchedule(len(seqs), recipe.train.batch_size, recipe.train.micro_batch_size, world.dp_size,
                             recipe.seed, recipe.data.shuffle)
-    _probe_head(model, world, seqs, pad_id)
     logit_rows = ChunkStats()  # the largest logits block per step goes to the metrics: never the full sequence
     model.get_output_embeddings().register_forward_hook(logit_rows)
     loss_model = LossModel(model, recipe.train.loss_chunk_tokens)
     optimizer = _optimizer(loss_model, recipe)
     loss_model, optimizer = acc.prepare(loss_model, optimizer)
+    _probe_head(loss_model, world, seqs, pad_id, recipe.model.name)
     raw_optimizer = getattr(optimizer, "optimizer", optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(raw_optimizer, lr_lambda(recipe))
     full_state = not recipe.lora.enabled  # LoRA checkpoints hold the adapter only (the base is frozen)
@@ -223,22 +224,8 @@ def train(recipe: Recipe, *, on_step: Callable[[StepInfo], None] | None = None) 
         logit_rows.max_rows = 0
         t0 = time.perf_counter()
         step_idx = schedule.step_indices(step)
-        n_loss = loss_tokens(seqs, step_idx)  # the whole step, every replica: the share's denominator
-        micro = schedule.micro_batches(step, world.dp_rank)
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        for m, idx in enumerate(micro):
-            local = world.cp.shard_batch(collate(seqs, idx, pad_id), pad_token_id=pad_id)
-            sync = contextlib.nullcontext() if m == len(micro) - 1 else acc.no_sync(loss_model)
-            with sync:
-                share, _ = loss_model(local["input_ids"].to(world.device), local["position_ids"].to(world.device),
-                                      local["shift_labels"].to(world.device), n_loss)
-                acc.backward(share * world.world_size)  # undo DDP/FSDP's average over the world (docstring)
-            loss_sum += share.detach().double().cpu()
-        grad_norm = acc.clip_grad_norm_(params, recipe.optim.max_grad_norm or float("inf"))
-        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
-            grad_norm = grad_norm.full_tensor()
-        grad_norm = float(grad_norm) if grad_norm is not None else 0.0
-        (loss,) = _all_reduce([float(loss_sum)], dist.ReduceOp.SUM, world.device)
+        loss, grad_norm, local_tokens = _forward_backward(acc, world, loss_model, params, seqs, schedule, step,
+                                                          pad_id, recipe.optim.max_grad_norm)
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if finite:
             optimizer.step()
@@ -268,7 +255,7 @@ def train(recipe: Recipe, *, on_step: Callable[[StepInfo], None] | None = None) 
             acc.log({"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
                      "tokens_per_s": tokens / step_s, "step_s": step_s, "peak_gb": mine, "peak_gb_max": peak_max,
                      "epoch": schedule.epoch(step + 1), "skipped": skipped_total,
-                     "logit_rows_max": logit_rows.max_rows, "local_tokens": int(local["input_ids"].numel())},
+                     "logit_rows_max": logit_rows.max_rows, "local_tokens": local_tokens},
                     step=step + 1)
         if on_step is not None:
             on_step(info)
@@ -290,6 +277,35 @@ def train(recipe: Recipe, *, on_step: Callable[[StepInfo], None] | None = None) 
         plot_loss(out / "metrics.jsonl", out / "loss.png", f"{recipe.model.name}: {Path(out).name}")
     return TrainResult(out, recipe.train.steps, history, final_dir, last_ckpt, world.is_main, world.world_size,
                        world.cp_size)
+
+
+def _forward_backward(acc, world: World, loss_model, params, seqs, schedule: StepSchedule, step: int, pad_id: int,
+                      max_grad_norm: float | None) -> tuple[float, float, int]:
+    """Every micro-batch of this replica for optimizer `step`; gradients reduced over the world and clipped.
+
+    Returns (the step's token-mean loss over all ranks, the global gradient norm before clipping, the
+    local tokens per micro-batch on this rank).
+    """
+    n_loss = loss_tokens(seqs, schedule.step_indices(step))  # the whole step, every replica: the denominator
+    micro = schedule.micro_batches(step, world.dp_rank)
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    local_tokens = 0
+    for m, idx in enumerate(micro):
+        local = world.cp.shard_batch(collate(seqs, idx, pad_id), pad_token_id=pad_id)
+        local_tokens = int(local["input_ids"].numel())
+        # DDP reduces gradients once, in the backward of the last micro-batch
+        sync = contextlib.nullcontext() if m == len(micro) - 1 else acc.no_sync(loss_model)
+        with sync:
+            share, _ = loss_model(local["input_ids"].to(world.device), local["position_ids"].to(world.device),
+                                  local["shift_labels"].to(world.device), n_loss)
+            acc.backward(share * world.world_size)  # undo DDP/FSDP's average over the world (docstring)
+        loss_sum += share.detach().double().cpu()
+    grad_norm = acc.clip_grad_norm_(params, max_grad_norm or float("inf"))
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
+        grad_norm = grad_norm.full_tensor()
+    grad_norm = float(grad_norm) if grad_norm is not None else 0.0
+    (loss,) = _all_reduce([float(loss_sum)], dist.ReduceOp.SUM, world.device)
+    return loss, grad_norm, local_tokens
 
 
 def _export(acc, world: World, loss_model, tokenizer, out: Path, recipe: Recipe) -> Path:

@@ -132,27 +132,31 @@ class LossModel(nn.Module):
             hook.remove()
         return grabbed["h"], (out.logits if keep_logits else None)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor,
-                num_loss_tokens: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """labels: shifted local labels (-100 = no loss). Returns (ce_sum / num_loss_tokens, ce_sum)."""
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                num_loss_tokens: int | torch.Tensor = 1, probe: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """labels: shifted local labels (-100 = no loss). Returns (ce_sum / num_loss_tokens, ce_sum).
+
+        probe=True returns instead (max |model logits - chunked-head logits|, max |model logits|): it runs
+        through the wrapped forward, so DDP/FSDP2 gather what they must exactly as in training.
+        """
+        if probe:
+            h, ref = self.hidden(input_ids, position_ids, keep_logits=True)
+            ref = ref.float()
+            return (ref - self.head(h).float()).abs().max(), ref.abs().max()
         h, _ = self.hidden(input_ids, position_ids)
         ce_sum = chunked_ce_sum(self.head, h, labels, self.chunk_tokens)
         return ce_sum / max(int(num_loss_tokens), 1), ce_sum
 
 
 @torch.no_grad()
-def check_head(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor) -> None:
+def check_head(loss_model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, name: str = "") -> None:
     """Refuse a model whose logits are not `LogitHead(decoder(x))` (an unknown final transform).
 
-    Run on a short local batch before training; the CP attention inside is a collective, so every
-    rank calls this with inputs of the same shape.
+    `loss_model` is a LossModel, possibly wrapped by DDP/FSDP2. Run on a short local batch before
+    training; the CP attention inside is a collective, so every rank calls this with the same shapes.
     """
-    loss_model = LossModel(model)
-    h, ref = loss_model.hidden(input_ids, position_ids, keep_logits=True)
-    mine = loss_model.head(h)
-    err = (ref.float() - mine.float()).abs().max().item()
-    tol = 1e-3 * max(1.0, ref.float().abs().max().item())
-    if not err <= tol:
-        raise ValueError(f"{type(base_causal_lm(model)).__name__}: its logits are not lm_head(decoder(x)) "
-                         f"(max difference {err:.3g}); the chunked loss would not match the model's own. "
-                         f"This architecture's final-logit transform is not supported by longdoc.train yet")
+    err, scale = (float(t) for t in loss_model(input_ids, position_ids, probe=True))
+    if not err <= 1e-3 * max(1.0, scale):
+        raise ValueError(f"{name or 'this model'}: its logits are not lm_head(decoder(x)) (max difference "
+                         f"{err:.3g}); the chunked loss would not match the model's own. This architecture's "
+                         f"final-logit transform is not supported by longdoc.train yet")

@@ -84,7 +84,7 @@ def test_check_head_refuses_an_unknown_logit_transform():
     model = tiny_model("llama", vocab_size=300)
     cp, local = _local(32, 300)
     longdoc.patch(model, cp)
-    check_head(model, local["input_ids"], local["position_ids"])  # plain lm_head: accepted
+    check_head(LossModel(model), local["input_ids"], local["position_ids"])  # plain lm_head: accepted
     model.config.final_logit_softcapping = 0.5  # the chunked head would cap, the model's forward does not
     with pytest.raises(ValueError, match="not lm_head"):
-        check_head(model, local["input_ids"], local["position_ids"])
+        check_head(LossModel(model), local["input_ids"], local["position_ids"], "tiny")
