@@ -68,7 +68,8 @@ def _needle_args(p: argparse.ArgumentParser) -> None:
 
 
 def _position_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--length", type=_ints, default=[4096], help="tokens per document (longer ones are cut)")
+    p.add_argument("--length", type=_ints, default=None,
+                   help="tokens per document (longer ones are cut; default: the shortest document)")
     p.add_argument("--buckets", type=int, default=16, help="position buckets (default: %(default)s)")
     p.add_argument("--num-docs", type=int, default=4, help="documents to generate when --pl-data is not given")
     p.add_argument("--pl-data", nargs="+", default=None, dest="pl_data",
@@ -88,7 +89,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = sub.add_parser("needle", help="needle in a haystack: accuracy grid (length x depth) and heatmap")
     _common(p)
     _needle_args(p)
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    # Small models answer in a sentence that repeats the question: room for it and the whole value.
+    p.add_argument("--max-new-tokens", type=int, default=32)
     p.set_defaults(func=_run_task, task="needle")
 
     p = sub.add_parser("position-loss", help="mean token loss by position over long documents, curve PNG")
@@ -96,9 +98,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--data", nargs="+", default=None, dest="pl_data", help="jsonl with 'document' or 'text'")
     p.add_argument("--domain", default="legal", choices=("legal", "medical"))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--length", type=_ints, default=[4096], help="tokens per document (longer ones are cut)")
+    p.add_argument("--length", type=_ints, default=None,
+                   help="tokens per document (longer ones are cut; default: the shortest document; "
+                        "needed to generate documents when --data is not given)")
     p.add_argument("--buckets", type=int, default=16)
     p.add_argument("--num-docs", type=int, default=4, help="documents to generate when --data is not given")
+    p.add_argument("--limit-docs", type=int, default=None, help="first N documents per --data file")
     p.set_defaults(func=_run_task, task="position-loss")
 
     p = sub.add_parser("compare", help="base vs fine-tuned side by side: two run folders, or two models to evaluate")

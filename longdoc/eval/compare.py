@@ -4,10 +4,11 @@ A and B are each either a run folder (results.json), a folder of run folders (on
 command writes them), or a model to evaluate now with --tasks (default qa, needle, position-loss):
 
     longdoc eval compare SmolLM2-135M-Instruct runs/demo/final --names base tuned \
-        --data demo-qa.jsonl --lengths 1k,2k --length 2048 --cp 2 --out reports/demo-compare
+        --data heldout.jsonl --lengths 1k,2k --cp 2 --out reports/demo-compare
 
 writes reports/demo-compare/{base,tuned}/<task>/ (each a normal run folder) and, at the top,
-results.json, summary.md and compare_*.png for the tasks both sides have.
+results.json, summary.md and compare_*.png for the tasks both sides have. Loss by position runs over
+the --data documents unless --pl-data (or --length, to generate documents) says otherwise.
 """
 
 from __future__ import annotations
@@ -131,21 +132,19 @@ def write_comparison(runs_a: dict[str, Path], runs_b: dict[str, Path], names: tu
 def main(cfg: dict[str, Any]) -> Path | None:
     """The `longdoc eval compare` command; returns the folder in the process that wrote it."""
     names = _names(cfg)
+    if not cfg.get("pl_data") and cfg.get("data"):
+        cfg = {**cfg, "pl_data": list(cfg["data"])}  # loss by position over the QA documents by default
     out = Path(cfg.get("out") or report.default_run_dir("compare", f"{names[0]}-vs-{names[1]}"))
     sides: list[dict[str, Path] | None] = [find_runs(cfg["a"]), find_runs(cfg["b"])]
     to_run = [(name, str(m)) for name, m, runs in zip(names, (cfg["a"], cfg["b"]), sides) if runs is None]
     if to_run:
         # Both models in one start of the ranks: each is loaded once and runs every task.
-        overrides = {"needle": {"max_new_tokens": min(int(cfg.get("max_new_tokens") or 16), 16)}}
-        done = tasks.run_suite(to_run, _wanted(cfg), cfg, out, overrides)
+        done = tasks.run_suite(to_run, _wanted(cfg), cfg, out)
         if done is None:
             return None  # not rank 0: the folders are written there
         sides = [runs if runs is not None else done[name] for name, runs in zip(names, sides)]
-    from longdoc.eval.runner import under_launcher
+    from longdoc.eval.runner import is_main_process
 
-    if under_launcher():
-        import torch.distributed as dist
-
-        if dist.is_initialized() and dist.get_rank() != 0:
-            return None
+    if not is_main_process():
+        return None
     return write_comparison(sides[0], sides[1], names, out)

@@ -22,15 +22,19 @@ def synth_documents(domain: str, tokens: int, count: int, seed: int, tokenizer: 
 
 
 def read_texts(paths: list[str], limit: int | None = None) -> list[str]:
-    """The 'document' (or 'text') field of every jsonl line of `paths`."""
+    """The 'document' (or 'text') field of the jsonl lines of `paths` (the first `limit` of each file)."""
     texts = []
     for path in paths:
         with open(path, encoding="utf-8") as f:
+            taken = 0
             for line_no, line in enumerate(f, 1):
+                if limit is not None and taken >= limit:
+                    break
                 if line.strip():
+                    taken += 1
                     rec = json.loads(line)
                     text = rec.get("document", rec.get("text")) if isinstance(rec, dict) else None
                     if not isinstance(text, str):
                         raise ValueError(f"{path}:{line_no}: needs a 'document' or 'text' string")
                     texts.append(text)
-    return texts[:limit]
+    return texts

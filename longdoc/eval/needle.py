@@ -92,7 +92,7 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, cp: ContextParallel, cfg: d
         doc, actual, n_doc = plant(stacks[r], needle, length, depth, tokenizer)
         ids = torch.tensor([prompter.prefix(doc) + prompter.suffix(question)], device=device)
         with KVSession(model, cp, strategy=cfg.get("strategy", "ring")) as session:
-            gen = session.greedy(session.prefill(ids), cfg.get("max_new_tokens", 16), eos_token_id=stops)
+            gen = session.greedy(session.prefill(ids), cfg.get("max_new_tokens", 32), eos_token_id=stops)
         prediction = prompter.decode_answer(gen.tokens[0].tolist())
         correct = metrics.contains_answer(prediction, value)
         hits[i][j].append(correct)

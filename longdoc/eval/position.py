@@ -4,7 +4,8 @@
 
 The quickest evidence that far context helps: if the model uses it, the loss keeps falling with the
 position; if it does not, the curve goes flat (or up, past the trained context). Each document is cut
-to --length tokens (shorter ones are skipped, so every bucket averages the same documents) and run in
+to --length tokens (default: the shortest document's length; shorter ones are skipped, so every
+bucket averages the same documents) and run in
 one CP forward; each rank takes the cross-entropy of the tokens it holds and adds it to the bucket of
 the predicted token's position, and one all-reduce of (buckets x 2) numbers sums the ranks. The full
 logits are never gathered.
@@ -30,7 +31,7 @@ def _texts(cfg: dict[str, Any], tokenizer: Any) -> list[str]:
     if cfg.get("texts"):  # programmatic use: the documents themselves
         return list(cfg["texts"])
     if cfg.get("pl_data"):
-        return data.read_texts(cfg["pl_data"])
+        return data.read_texts(cfg["pl_data"], cfg.get("limit_docs"))
     return data.synth_documents(cfg.get("domain", "legal"), int(cfg["length"] * 1.05) + 16, cfg.get("num_docs", 4),
                                 cfg.get("seed", 0), tokenizer)
 
@@ -55,17 +56,20 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, cp: ContextParallel, cfg: d
 
     from longdoc.hf import is_patched, patch, unpatch
 
-    length, buckets = int(cfg["length"]), int(cfg.get("buckets", 16))
+    buckets = int(cfg.get("buckets", 16))
     device = next(model.parameters()).device
-    texts = _texts(cfg, tokenizer)
+    docs = [tokenizer(t, add_special_tokens=True, verbose=False)["input_ids"] for t in _texts(cfg, tokenizer)]
+    length = int(cfg["length"]) if cfg.get("length") else min(len(d) for d in docs)
+    if length < 2 * buckets:
+        raise ValueError(f"documents of {length} tokens are too short for {buckets} buckets; lower --buckets")
     edges = torch.linspace(1, length, buckets + 1).round().long().tolist()  # predicted positions 1..length-1
     sums = torch.zeros(buckets, 2, dtype=torch.float64, device=device)  # (loss sum, tokens)
     used = skipped = 0
     was_patched = is_patched(model)
     patch(model, cp, strategy=cfg.get("strategy", "ring"))
     try:
-        for text in tqdm(texts, desc="position-loss", unit="doc", disable=cp.rank != 0, dynamic_ncols=True):
-            ids = tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"][:length]
+        for ids in tqdm(docs, desc="position-loss", unit="doc", disable=cp.rank != 0, dynamic_ncols=True):
+            ids = ids[:length]
             if len(ids) < length:
                 skipped += 1
                 continue
@@ -97,7 +101,9 @@ def task(model: torch.nn.Module, tokenizer: Any, cp: ContextParallel, cfg: dict[
 
 
 def check(cfg: dict[str, Any]) -> None:
-    if int(cfg.get("length", 0)) < 2 * int(cfg.get("buckets", 16)):
+    if not cfg.get("length") and not cfg.get("pl_data") and not cfg.get("texts"):
+        raise ValueError("position-loss needs --data FILE.jsonl, or --length N to generate documents of N tokens")
+    if cfg.get("length") and int(cfg["length"]) < 2 * int(cfg.get("buckets", 16)):
         raise ValueError(f"--length ({cfg.get('length')}) must be at least twice --buckets ({cfg.get('buckets')})")
     for path in cfg.get("pl_data") or []:
         if not Path(path).is_file():

@@ -115,6 +115,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "by_depth": metrics.breakdown(rows, _depth),
         "by_domain": metrics.breakdown(rows, lambda r: r["domain"]),
         "by_domain_length": metrics.breakdown(rows, lambda r: f"{r['domain']} {_length(r)}"),
+        "by_length_kind": metrics.breakdown(rows, lambda r: f"{_length(r)} {r['kind']}"),
     }
 
 
@@ -144,6 +145,7 @@ def write_report(run_dir: str | Path, results: dict[str, Any]) -> Path:
           "## By document length\n", breakdown_table(s["by_length"], "length"), "",
           "## By evidence depth\n", breakdown_table(s["by_depth"], "depth"), "",
           "## By domain and length\n", breakdown_table(s["by_domain_length"], "domain, length"), "",
+          "## By length and kind\n", breakdown_table(s["by_length_kind"], "length, kind"), "",
           "![QA](qa.png)", "", "## Examples\n", _examples(written["rows"])]
     report.write_text(run_dir / report.SUMMARY, "\n".join(md) + "\n")
     return run_dir

@@ -34,6 +34,15 @@ def under_launcher() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
+def is_main_process() -> bool:
+    """Rank 0 under a launcher (or no launcher): the process that writes reports."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def check_dtype(name: str) -> str:
     if name not in _DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(sorted(set(_DTYPES)))}, got {name!r}")
@@ -96,15 +105,20 @@ def run(fn: Job, cfg: dict[str, Any]) -> dict[str, Any] | None:
         import torch
         import torch.distributed as dist
 
-        if not dist.is_initialized():
-            backend = "nccl" if torch.cuda.is_available() and cfg.get("device", "auto") != "cpu" else "gloo"
-            dist.init_process_group(backend, timeout=dt.timedelta(seconds=cfg.get("timeout", 1800)))
-        world = dist.get_world_size()
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
         if world != cp_size:
             raise ValueError(f"launched with {world} processes but --cp {cp_size}: evaluation uses the whole world "
                              f"as one CP group; pass --cp {world} (or launch {cp_size} processes)")
-        result = run_rank(fn, cfg, launched=True)
-        return result if dist.get_rank() == 0 else None
+        owned = not dist.is_initialized()
+        if owned:
+            backend = "nccl" if torch.cuda.is_available() and cfg.get("device", "auto") != "cpu" else "gloo"
+            dist.init_process_group(backend, timeout=dt.timedelta(seconds=cfg.get("timeout", 1800)))
+        try:
+            result = run_rank(fn, cfg, launched=True)
+            return result if dist.get_rank() == 0 else None
+        finally:
+            if owned:
+                dist.destroy_process_group()
     if cp_size == 1:
         return run_rank(fn, cfg)
     from longdoc.spawn import run_local
