@@ -52,7 +52,7 @@ def _common(p: argparse.ArgumentParser, model: bool = True) -> None:
 
 def _qa_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--data", nargs="+", required=required, help="QA jsonl file(s) from `longdoc data synth`")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="answer length cap (default: %(default)s)")
     p.add_argument("--limit-docs", type=int, default=None, help="first N documents per file")
     p.add_argument("--limit-questions", type=int, default=None, help="first N questions per document")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
@@ -90,7 +90,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     _common(p)
     _needle_args(p)
     # Small models answer in a sentence that repeats the question: room for it and the whole value.
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=32, help="answer length cap (default: %(default)s)")
     p.set_defaults(func=_run_task, task="needle")
 
     p = sub.add_parser("position-loss", help="mean token loss by position over long documents, curve PNG")

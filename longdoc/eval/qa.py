@@ -56,7 +56,7 @@ def _progress(total: int, cp: ContextParallel, desc: str):
 
 
 def evaluate(model: torch.nn.Module, tokenizer: Any, records: Sequence[dict[str, Any]], cp: ContextParallel, *,
-             max_new_tokens: int = 32, strategy: str = "ring", chat: bool | None = None,
+             max_new_tokens: int = 64, strategy: str = "ring", chat: bool | None = None,
              progress: bool = True) -> list[dict[str, Any]]:
     """Per-question rows (identical on every rank). All ranks call this with the same records."""
     prompter = Prompter(tokenizer, chat=chat)
@@ -161,7 +161,7 @@ def _examples(rows: Iterable[dict[str, Any]], n: int = 12) -> str:
 def task(model: torch.nn.Module, tokenizer: Any, cp: ContextParallel, cfg: dict[str, Any]) -> dict[str, Any]:
     """The `longdoc eval qa` task (see longdoc.eval.runner)."""
     records = [r for path in cfg["data"] for r in read_records(path, cfg.get("limit_docs"), cfg.get("limit_questions"))]
-    rows = evaluate(model, tokenizer, records, cp, max_new_tokens=cfg.get("max_new_tokens", 32),
+    rows = evaluate(model, tokenizer, records, cp, max_new_tokens=cfg.get("max_new_tokens", 64),
                     strategy=cfg.get("strategy", "ring"), chat=cfg.get("chat"))
     return {"task": "qa", "data": [str(p) for p in cfg["data"]], "documents": len(records),
             "summary": summarize(rows), "rows": rows}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -76,5 +77,6 @@ def run_suite(models: list[tuple[str, str]], names: list[str], cfg: dict[str, An
     folders: dict[str, dict[str, Path]] = {}
     for label, per_task in results.items():
         for t, result in per_task.items():
-            folders.setdefault(label, {})[t] = module(t).write_report(out / label / t, result)
+            folder = out / (re.sub(r"[^A-Za-z0-9._-]+", "-", label).strip("-.") or "model") / t
+            folders.setdefault(label, {})[t] = module(t).write_report(folder, result)
     return folders
