@@ -12,7 +12,19 @@ import torch
 import torch.distributed as dist
 
 
-def _wait(work, timeout: datetime.timedelta | None, what: str) -> None:
+def _peers(group: dist.ProcessGroup | None, peers: list[int] | None) -> str:
+    # gloo/NCCL name a failed peer by address only; the user needs its rank (the launcher log shows why it died)
+    try:
+        me = dist.get_rank()
+        if peers is None and group is not None:
+            peers = [r for r in dist.get_process_group_ranks(group) if r != me]
+        return f"rank {me}, waiting on rank(s) {sorted(set(peers or []))}: "
+    except (RuntimeError, ValueError):  # no default group (a bare ProcessGroup): say what we can
+        return ""
+
+
+def _wait(work, timeout: datetime.timedelta | None, what: str, group: dist.ProcessGroup | None = None,
+          peers: list[int] | None = None) -> None:
     try:
         if timeout is None:
             work.wait()
@@ -20,20 +32,20 @@ def _wait(work, timeout: datetime.timedelta | None, what: str) -> None:
             work.wait(timeout)
     except RuntimeError as e:
         raise RuntimeError(
-            f"context-parallel {what} failed or timed out ({e}); another rank probably crashed, "
-            f"skipped this call, or passed tensors of another shape"
+            f"context-parallel {what} failed or timed out on {_peers(group, peers)}{e}; one of those ranks "
+            f"probably crashed (see its log), skipped this call, or passed tensors of another shape"
         ) from e
 
 
 class Pending:
     """Handles of in-flight operations; `wait()` completes them all."""
 
-    def __init__(self, works: list, timeout: datetime.timedelta | None, what: str):
-        self.works, self.timeout, self.what = works, timeout, what
+    def __init__(self, works: list, timeout: datetime.timedelta | None, what: str, peers: list[int] | None = None):
+        self.works, self.timeout, self.what, self.peers = works, timeout, what, peers
 
     def wait(self) -> None:
         for w in self.works:
-            _wait(w, self.timeout, self.what)
+            _wait(w, self.timeout, self.what, peers=self.peers)
         self.works = []
 
 
@@ -53,13 +65,13 @@ class Ring:
             dist.P2POp(dist.isend, send, self.next, self.group, tag),
             dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
         ]
-        return Pending(dist.batch_isend_irecv(ops), self.timeout, "ring send/recv")
+        return Pending(dist.batch_isend_irecv(ops), self.timeout, "ring send/recv", [self.prev, self.next])
 
 
 def all_gather(x: torch.Tensor, group: dist.ProcessGroup, timeout: datetime.timedelta | None) -> list[torch.Tensor]:
     """Every rank's `x` (same shape on all ranks), in group rank order."""
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    _wait(dist.all_gather(parts, x.contiguous(), group=group, async_op=True), timeout, "all-gather")
+    _wait(dist.all_gather(parts, x.contiguous(), group=group, async_op=True), timeout, "all-gather", group)
     return parts
 
 
@@ -70,10 +82,10 @@ def reduce_scatter(parts: list[torch.Tensor], group: dist.ProcessGroup,
     if dist.get_backend(group) == dist.Backend.NCCL:
         out = torch.empty_like(parts[rank])
         _wait(dist.reduce_scatter(out, [p.contiguous() for p in parts], group=group, async_op=True),
-              timeout, "reduce-scatter")
+              timeout, "reduce-scatter", group)
         return out
     flat = torch.stack(parts)
-    _wait(dist.all_reduce(flat, group=group, async_op=True), timeout, "all-reduce")
+    _wait(dist.all_reduce(flat, group=group, async_op=True), timeout, "all-reduce", group)
     return flat[rank]
 
 
