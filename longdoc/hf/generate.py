@@ -274,6 +274,7 @@ class KVSession:
         if self.length:
             raise RuntimeError("prefill starts a session; this one already holds tokens (use a new KVSession)")
         cp, seq = self.cp, ids.shape[1]
+        self._agree_shapes("prefill", ids)
         if seq == 0:
             raise ValueError("prefill needs at least one prompt token")
         self._check_rope(seq)
@@ -298,6 +299,7 @@ class KVSession:
         """Append tokens (batch, new) after everything so far; returns the logits after each of the last
         `keep` of them, (batch, keep, vocab) fp32, identical on all ranks."""
         ids = input_ids if input_ids.dim() == 2 else input_ids.unsqueeze(0)
+        self._agree_shapes("extend", ids)
         if not self.length:
             raise RuntimeError("call prefill before extend")
         if ids.shape[0] != self.batch:
@@ -361,6 +363,17 @@ class KVSession:
         if self.cp.size == 1:
             return token
         return comm.all_gather(token.contiguous(), self.cp.group, self.cp.timeout)[0]
+
+    def _agree_shapes(self, what: str, ids: torch.Tensor) -> None:
+        """Before any collective of a call: all ranks pass the same shape at the same point, or all raise."""
+        if self.cp.size == 1 or not self.cp.check_agreement:
+            return
+        mine = [*ids.shape, self.length]
+        metas = comm.agree(mine, self.cp.group, self.cp.timeout, self.cp.comm_device(ids.device))
+        if any(m != metas[0] for m in metas):
+            detail = "; ".join(f"rank {r}: ids {tuple(m[:-1])} after {m[-1]} tokens" for r, m in enumerate(metas))
+            raise ValueError(f"KVSession.{what}: CP ranks disagree ({detail}); every rank must make the same calls "
+                             f"with the same token ids")
 
     def _check_rope(self, length: int) -> None:
         limit = _rope_limit(self.hf.config)

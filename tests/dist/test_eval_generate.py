@@ -100,6 +100,15 @@ def _worker(rank: int, world: int) -> dict:
                                  ref_argmax_tokens=int((ref_argmax == a[0]).sum()))
     out["repatched"] = (longdoc.hf.is_patched(model), model.config._attn_implementation)
     out.update(_eval_pipeline(cp))
+
+    # Ranks that disagree (a bug in the caller) all get the same clear error instead of hanging.
+    with KVSession(tiny_model("llama").eval(), cp) as session:
+        session.prefill(_ids(5, 1, 64))
+        try:
+            session.extend(_ids(6, 1, 2 + rank))
+            out["disagree"] = "no error"
+        except ValueError as e:
+            out["disagree"] = str(e)
     return out
 
 
@@ -184,6 +193,11 @@ def test_position_loss_matches_single_process(results):
         assert (docs, skipped) == (2, 1)
         assert tokens == ref_tokens and sum(tokens) == 2 * 300
         assert max(abs(a - b) for a, b in zip(means, ref)) < 1e-5
+
+
+def test_disagreeing_ranks_raise_everywhere(results):
+    for res in results:
+        assert "CP ranks disagree" in res["disagree"] and "rank 1: ids (1, 3)" in res["disagree"]
 
 
 def test_patched_model_is_repatched(results):
