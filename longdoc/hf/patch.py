@@ -190,6 +190,22 @@ def _call_problem(handle: CPHandle, call: dict) -> tuple[str, str] | None:
     return None
 
 
+def _vocab_problem(module, call: dict) -> _Input | None:
+    # An id past the embedding is an IndexError deep in torch on CPU and a device-side assert on GPU;
+    # a negative one would silently index from the end. Checked here, it is one clear error on every rank.
+    ids = call.get("input_ids")
+    emb = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
+    n = getattr(emb, "num_embeddings", None)
+    if ids is None or n is None or ids.numel() == 0 or ids.is_floating_point():
+        return None
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= n:
+        return _Input(f"token ids spanning [{low}, {high}] (its embedding has {n} rows, ids 0..{n - 1})",
+                      "the ids come from another tokenizer or from a bad padding id; tokenize with this model's "
+                      "tokenizer (len(tokenizer) must not exceed the embedding; see model.resize_token_embeddings)")
+    return None
+
+
 def _pre_forward(handle: CPHandle, signature: inspect.Signature, module, args, kwargs):
     cp = handle.cp
     if cp is None:
@@ -198,7 +214,7 @@ def _pre_forward(handle: CPHandle, signature: inspect.Signature, module, args, k
     handle.loss_calls = 0
     call = signature.bind_partial(*args, **kwargs).arguments
     call = {**call.pop("kwargs", {}), **call}
-    problem = _call_problem(handle, call)
+    problem = _call_problem(handle, call) or _vocab_problem(module, call)
     mask = call.get("attention_mask")
     has_pad = mask is not None and mask.dim() == 2 and not bool(mask.all())
     if cp.size > 1 and cp.check_agreement:

@@ -36,12 +36,14 @@ def _run(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(recipe.to_dict(), sort_keys=False), end="")
         return 0
+    from longdoc.hf import CPInputError, UnsupportedFeatureError
     from longdoc.train.checkpoint import CheckpointError
     from longdoc.train.loop import train
 
     try:
         result = train(recipe)
-    except (RecipeError, CheckpointError) as e:
+    except (RecipeError, CheckpointError, UnsupportedFeatureError, CPInputError) as e:
+        # every rank raises the same one (checked before any collective): a message, not a traceback
         print(f"longdoc train: {e}", file=sys.stderr)
         return 2
     except FloatingPointError as e:  # train.on_nonfinite=abort, or too many skipped steps

@@ -132,7 +132,14 @@ def load_sequences(cfg: DataConfig, tokenizer, vocab_size: int, seed: int, main_
                           f"(empty file, or every label masked); check data.path and data.task")
     if len(keep) < len(seqs):
         seqs = Sequences(seqs.ds.select(keep), seqs.source)
-    seqs.scan(vocab_size)
+    try:
+        seqs.scan(vocab_size)
+    except RecipeError as e:
+        if tokenizer is not None and len(tokenizer) > vocab_size:
+            raise RecipeError(f"{e}. The tokenizer has {len(tokenizer)} tokens but the model's embedding only "
+                              f"{vocab_size}: tokenizer and model do not match (use the model's own tokenizer, "
+                              f"or resize the model's embeddings)") from None
+        raise
     return seqs
 
 

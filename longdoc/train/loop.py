@@ -129,7 +129,8 @@ def _probe_head(loss_model, world: World, seqs, pad_id: int, name: str) -> None:
 
 def _resume_checks(state: dict, recipe: Recipe, fingerprint: dict, world: World, say) -> None:
     saved = state.get("recipe", {})
-    for key, now in (("model.name", recipe.model.name), ("lora.enabled", recipe.lora.enabled),
+    for key, now in (("model.name", recipe.model.name), ("model.overrides", recipe.model.overrides),
+                     ("lora.enabled", recipe.lora.enabled),
                      ("train.batch_size", recipe.train.batch_size), ("seed", recipe.seed)):
         section, _, name = key.rpartition(".")
         was = (saved.get(section, {}) if section else saved).get(name)
