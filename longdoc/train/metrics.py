@@ -24,12 +24,16 @@ class JSONLTracker(GeneralTracker):
 
     def __init__(self, path: str | Path, resume_step: int | None = None):
         super().__init__()
-        self.path = Path(path)
+        self.path, self.resume_step = Path(path), resume_step
+        self._f = None
+
+    def start(self):
+        # Accelerate calls start() on the main process only: no other rank touches the file.
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_step is None:
+        if self.resume_step is None:
             self.path.write_text("")
         else:
-            truncate_after(self.path, resume_step)
+            truncate_after(self.path, self.resume_step)
         self._f = open(self.path, "a")
 
     @property
@@ -44,7 +48,8 @@ class JSONLTracker(GeneralTracker):
         self._f.flush()
 
     def finish(self):
-        self._f.close()
+        if self._f is not None:
+            self._f.close()
 
 
 def truncate_after(path: Path, step: int) -> None:

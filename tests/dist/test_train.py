@@ -11,6 +11,13 @@ from safetensors.torch import load_file
 from tests.distributed import run_ranks
 
 
+def ranks(world_size: int, fn, *args, **kwargs):
+    """run_ranks with a generous collective timeout: on a loaded 2-core machine one rank can lag the other
+    by more than the 30 s default (the loop's own collectives use train.comm_timeout in real runs)."""
+    kwargs.setdefault("pg_timeout", 300)
+    return run_ranks(world_size, fn, *args, **kwargs)
+
+
 def _accelerate_env(rank: int, world_size: int) -> None:
     # run_ranks has already joined the gloo group; Accelerate reads the launcher's variables.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -59,9 +66,9 @@ def max_rel_err(a: dict, b: dict) -> float:
 
 
 def test_dp_cp_equals_single_process(tmp_path):
-    ref, ref_grads = run_ranks(1, train_on_ranks, tiny_recipe(tmp_path / "single"), [], deadline=300)[0]
-    cp2 = run_ranks(2, train_on_ranks, tiny_recipe(tmp_path / "cp2"), ["cp_size=2"], deadline=300)
-    dpcp = run_ranks(4, train_on_ranks, tiny_recipe(tmp_path / "dp2cp2"), ["cp_size=2"], deadline=400)
+    ref, ref_grads = ranks(1, train_on_ranks, tiny_recipe(tmp_path / "single"), [], deadline=300)[0]
+    cp2 = ranks(2, train_on_ranks, tiny_recipe(tmp_path / "cp2"), ["cp_size=2"], deadline=300)
+    dpcp = ranks(4, train_on_ranks, tiny_recipe(tmp_path / "dp2cp2"), ["cp_size=2"], deadline=400)
     w_ref = load_file(tmp_path / "single" / "final" / "model.safetensors")
     errs = {}
     for name, hist in (("cp2", cp2), ("dp2cp2", dpcp)):
@@ -103,7 +110,7 @@ def test_lora_cp2_learns_with_bounded_logits(tmp_path):
                       optim={"lr": 1e-2, "warmup_steps": 0, "max_grad_norm": 1.0},
                       train={"steps": 8, "batch_size": 2, "loss_chunk_tokens": 32},
                       log={"progress": False, "tensorboard": True, "plot": True})
-    hist, _ = run_ranks(2, train_on_ranks, rec, ["cp_size=2"])[0]
+    hist, _ = ranks(2, train_on_ranks, rec, ["cp_size=2"])[0]
     losses = [loss for _, loss, _, _ in hist]
     # the same two sequences every step: the loss falls at every step, by ~0.8 nats over 8 steps
     assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < losses[0] - 0.4, losses

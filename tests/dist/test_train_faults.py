@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist.test_train import _accelerate_env, tiny_recipe
-from tests.distributed import run_ranks
+from tests.dist.test_train import _accelerate_env, ranks, tiny_recipe
 
 
 def train_with_nan_at(rank: int, world_size: int, recipe: dict, overrides: list[str], bad_step: int):
@@ -43,11 +42,11 @@ def train_with_nan_at(rank: int, world_size: int, recipe: dict, overrides: list[
 
 def test_nonfinite_step_is_skipped_on_every_rank_or_aborts(tmp_path):
     overrides = ["cp_size=2", "train.steps=4", "train.batch_size=1"]
-    (hist, sums), (hist1, sums1) = run_ranks(2, train_with_nan_at, tiny_recipe(tmp_path / "skip"), overrides, 2)
+    (hist, sums), (hist1, sums1) = ranks(2, train_with_nan_at, tiny_recipe(tmp_path / "skip"), overrides, 2)
     assert hist == hist1 == [(1, False), (2, True), (3, False), (4, False)]
     assert sums[1] == sums[0] and sums[2] != sums[1]  # the skipped step left the weights untouched
     assert sums == sums1  # both ranks made the same decision
-    out = run_ranks(2, train_with_nan_at, tiny_recipe(tmp_path / "abort"), overrides + ["train.on_nonfinite=abort"], 2)
+    out = ranks(2, train_with_nan_at, tiny_recipe(tmp_path / "abort"), overrides + ["train.on_nonfinite=abort"], 2)
     for status, msg in out:
         assert status == "aborted" and "step 2" in msg and "not finite" in msg
 
@@ -67,15 +66,15 @@ def train_plain(rank: int, world_size: int, recipe: dict, overrides: list[str]):
 def test_resume_guards(tmp_path):
     rec = tiny_recipe(tmp_path / "run")
     base = ["train.steps=2", "checkpoint.at_end=true", "checkpoint.export=false"]
-    assert run_ranks(1, train_plain, rec, base)[0] == 2
-    status, msg = run_ranks(1, train_plain, rec, base)[0]  # a second run into the same folder
+    assert ranks(1, train_plain, rec, base)[0] == 2
+    status, msg = ranks(1, train_plain, rec, base)[0]  # a second run into the same folder
     assert status == "error" and "resume=true" in msg and "overwrite=true" in msg
-    status, msg = run_ranks(1, train_plain, rec, base + ["resume=true", "seed=1"])[0]
+    status, msg = ranks(1, train_plain, rec, base + ["resume=true", "seed=1"])[0]
     assert status == "error" and "seed=0" in msg and "fresh output_dir" in msg
     # a finished run resumed with more steps continues; on another CP size it reshards (world 2, cp 2)
-    assert run_ranks(2, train_plain, rec, ["train.steps=3", "resume=true", "cp_size=2",
+    assert ranks(2, train_plain, rec, ["train.steps=3", "resume=true", "cp_size=2",
                                            "checkpoint.export=false"]) == [1, 1]
-    assert run_ranks(1, train_plain, rec, base + ["overwrite=true"])[0] == 2
+    assert ranks(1, train_plain, rec, base + ["overwrite=true"])[0] == 2
 
 
 def test_unwritable_output_dir(tmp_path):

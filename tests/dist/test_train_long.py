@@ -50,9 +50,10 @@ def _report(name: str, rows: dict) -> None:
 def test_tiny_model_long_sequences_cp2_vs_cp1(tmp_path, seq_len):
     rec = long_recipe(tmp_path / "r", "tiny:llama", seq_len, steps=2)
     rows = {
-        "cp=1": run_ranks(1, measure_on_ranks, rec, ["output_dir=" + str(tmp_path / "c1")], threads=2, deadline=3000),
+        "cp=1": run_ranks(1, measure_on_ranks, rec, ["output_dir=" + str(tmp_path / "c1")], threads=2, deadline=3000,
+                          pg_timeout=1800),
         "cp=2": run_ranks(2, measure_on_ranks, rec, ["cp_size=2", "output_dir=" + str(tmp_path / "c2")],
-                          deadline=3000),
+                          deadline=3000, pg_timeout=1800),
     }
     _report(f"tiny:llama (vocab 49152) at {seq_len} tokens", rows)
     for per_rank in rows.values():
@@ -67,9 +68,10 @@ def test_tiny_model_long_sequences_cp2_vs_cp1(tmp_path, seq_len):
 def test_real_135m_16k_step_cp2_vs_cp1(tmp_path):
     rec = long_recipe(tmp_path / "r", "SmolLM2-135M-Instruct", 16384, steps=1, lora=True)
     rows = {
-        "cp=1": run_ranks(1, measure_on_ranks, rec, ["output_dir=" + str(tmp_path / "c1")], threads=2, deadline=5000),
+        "cp=1": run_ranks(1, measure_on_ranks, rec, ["output_dir=" + str(tmp_path / "c1")], threads=2, deadline=5000,
+                          pg_timeout=1800),
         "cp=2": run_ranks(2, measure_on_ranks, rec, ["cp_size=2", "output_dir=" + str(tmp_path / "c2")],
-                          deadline=5000),
+                          deadline=5000, pg_timeout=1800),
     }
     _report("SmolLM2-135M-Instruct + LoRA at 16384 tokens", rows)
     assert rows["cp=2"][0][0][0] == pytest.approx(rows["cp=1"][0][0][0], rel=1e-4)

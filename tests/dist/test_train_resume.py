@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist.test_train import _accelerate_env, tiny_recipe
-from tests.distributed import run_ranks
+from tests.dist.test_train import _accelerate_env, ranks, tiny_recipe
 
 
 def train_until_killed(rank: int, world_size: int, recipe: dict, overrides: list[str], kill_at: str, pids: str):
@@ -45,21 +44,21 @@ def train_history(rank: int, world_size: int, recipe: dict, overrides: list[str]
 
 def test_resume_after_kill_continues_exactly(tmp_path):
     overrides = ["cp_size=2", "train.steps=8", "checkpoint.every=2", "checkpoint.keep=2", "checkpoint.export=false"]
-    full = run_ranks(2, train_history, tiny_recipe(tmp_path / "full"), overrides)[0]
+    full = ranks(2, train_history, tiny_recipe(tmp_path / "full"), overrides)[0]
     assert [s for s, _ in full] == list(range(1, 9))
 
     run = tmp_path / "killed"
     pids = tmp_path / "pids"
     pids.mkdir()
     with pytest.raises(AssertionError, match="gave no result"):
-        run_ranks(2, train_until_killed, tiny_recipe(run), overrides, ".step-00000006.tmp", str(pids), deadline=200)
+        ranks(2, train_until_killed, tiny_recipe(run), overrides, ".step-00000006.tmp", str(pids), deadline=200)
     ck = run / "checkpoints"
     names = sorted(p.name for p in ck.iterdir())
     assert names == [".step-00000006.tmp", "step-00000002", "step-00000004"], names
     # a folder that looks like a checkpoint but has no trainer state (e.g. a partial copy) is never used
     (ck / "step-00000008" / "state").mkdir(parents=True)
 
-    resumed = run_ranks(2, train_history, tiny_recipe(run), overrides + ["resume=true"])
+    resumed = ranks(2, train_history, tiny_recipe(run), overrides + ["resume=true"])
     for hist in resumed:
         assert [s for s, _ in hist] == [5, 6, 7, 8]
         for (s, loss), (s_full, loss_full) in zip(hist, full[4:], strict=True):
