@@ -1,6 +1,7 @@
 """Attention benchmark: CP efficiency, zigzag vs contiguous, ring vs all-gather, side by side.
 
-    longdoc bench attention --seq-len 16384        # or: make bench
+    longdoc bench attention --seq-len 16384                      # one length: prints E and Z
+    longdoc bench attention --lengths 4096,8192,16384            # the sweep (part of `longdoc bench`)
 
 All variants run in one invocation on the same machine, so their ratios are comparable:
   E = time(1 process x T threads, full SDPA) / time(longdoc.attention, T ranks x 1 thread, zigzag ring)
@@ -10,6 +11,7 @@ Each time is the median of `repeats` causal forward+backward passes after a warm
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -121,4 +123,34 @@ def to_markdown(result: dict) -> str:
     lines += ["", f"E (CP efficiency, single / zigzag ring) = {r['E']:.3f}",
               f"Z (contiguous / zigzag) = {r['Z']:.3f}",
               f"all-gather / ring (zigzag) = {r['ring_vs_allgather']:.3f}"]
+    return "\n".join(lines)
+
+
+def sweep(lengths: list[int], base: AttentionBenchConfig, log=print) -> dict:
+    """`run` at every length (same heads, ranks and repeats)."""
+    runs = []
+    for n in lengths:
+        result = run(dataclasses.replace(base, seq_len=n))
+        r = result["ratios"]
+        log(f"  attention {n:>7} tokens: E {r['E']:.3f}  Z {r['Z']:.3f}  all-gather/ring {r['ring_vs_allgather']:.3f}")
+        runs.append(result)
+    return {"config": asdict(base), "lengths": list(lengths), "runs": runs}
+
+
+def sweep_markdown(result: dict) -> str:
+    cfg = result["config"]
+    lines = [f"Causal attention fwd+bwd, {cfg['heads']} heads ({cfg['kv_heads']} kv), head_dim {cfg['head_dim']}, "
+             f"{cfg['dtype']}: 1 process x {cfg['ranks']} threads (SDPA) vs {cfg['ranks']} ranks x 1 thread "
+             f"(longdoc.attention); median of {cfg['repeats']} (seconds)",
+             "",
+             "| tokens | SDPA | zigzag ring | contiguous ring | zigzag all-gather | contiguous all-gather | E | Z "
+             "| all-gather / ring |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for n, r in zip(result["lengths"], result["runs"]):
+        t, q = r["median_s"], r["ratios"]
+        lines.append(f"| {n:,} | {t['single/sdpa']:.3f} | {t['zigzag/ring']:.3f} | {t['contiguous/ring']:.3f} | "
+                     f"{t['zigzag/allgather']:.3f} | {t['contiguous/allgather']:.3f} | {q['E']:.3f} | {q['Z']:.3f} | "
+                     f"{q['ring_vs_allgather']:.3f} |")
+    lines += ["", "E = SDPA time / zigzag ring time (CP efficiency at equal cores; 1.0 = no loss); "
+                  "Z = contiguous / zigzag (ideal 1.5 at 2 ranks)."]
     return "\n".join(lines)

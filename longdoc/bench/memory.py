@@ -12,13 +12,17 @@ Gradients (backward on):       P_t*4/S; + DDP bucket copy P_t*4 when DDP (world 
 Saved activations, per token and layer, of an HF Llama-style layer (counted with saved-tensor hooks in
 the tests):  A = 2*(4h + 4 + 2ch) [two RMSNorms: fp32 input, rsqrt, normed, out] + c*(3q + 2kv) [q, k
 after RoPE, v, attention out, o_proj input] + 4nh [lse] + 4cI [gate, up, act, product]; Qwen3's q/k
-norms add 4(q+kv) + 4(nh+nkv) + c(q+kv). LoRA (frozen base): the frozen linears keep no inputs, see
-`layer_bytes_per_token`.
+norms add 4(q+kv) + 4(nh+nkv) + c(q+kv); LayerNorm keeps (ch + 8) + ch per norm; Phi-3's fused qkv
+output stays whole, + c(q+kv). LoRA (frozen base): frozen linears keep no input, see `layer_bytes_per_token`.
+Shared by all layers: RoPE cos/sin 2*N*rotary_dim*c. After the last layer: final norm + the loss tokens'
+hidden states N*(4h + 4 + 3ch).
 Activation checkpointing (per decoder layer): n*N*h*c checkpoints + one layer's A*N while it is
-recomputed in the backward; without it n*N*A.
+recomputed in the backward (in fp32 its first norm's input IS the checkpoint: N*h*4 less); without it n*N*A.
 Loss: cross-entropy over C tokens at a time: 12*C*V (fp32 log-probs + their gradient + the logits
 gradient, the backward peak; bf16 logits are cast to fp32 first). Without chunking C = N.
-Attention workspace (backward of one layer): dQ fp32 4Nq + block dQ and dout copy 2cNq.
+Backward temporaries of one layer: the MLP's 2cNI + 2cNh (gradients of product/act/up, residual stream),
+or, once the MLP's own saved 4cNI are freed, the attention's dQ fp32 4Nq + block dQ and dout copy 2cNq
++ the communication buffers: whichever is larger.
 Communication buffers: ring: K/V double buffer 2*(2*N*kv*c) + fp32 dK/dV in flight (1 for cp=1, 3 in
 the ring: being sent, being received, accumulating) * 2*N*kv*4. All-gather: full K/V cp*2*N*kv*c twice
 (parts + ordered copy) + fp32 dK/dV for the whole sequence and its reduce-scatter parts 2*cp*2*N*kv*4.
@@ -30,8 +34,8 @@ Optimizer step: + AdamW temporaries: foreach on GPU P_t*4/S; per-tensor on CPU 2
 The step's peak is the largest of four phases, each a sum of the terms live at that moment:
   forward   state + DDP buckets + n checkpoints + a layer's forward temporaries (3*c*N*I: gate, up, act)
   loss      state + DDP buckets + n checkpoints (or n*A*N) + final-norm/loss inputs + 12*C*V + lm_head grads
-  backward  state + grads of the layers above + checkpoints of the layers below + A*N + temporaries
-            (max of 2cNI + 2cNh for the MLP, attention workspace + comm buffers) + FSDP buffers
+  backward  state + grads of the layers above + checkpoints of the layers below + A*N + the layer's
+            backward temporaries + FSDP buffers (the worst layer: usually the last, at large cp the first)
   optimizer state + all grads + DDP buckets + AdamW temporaries
 plus the runtime (CUDA context + NCCL, or the Python process) and allocator slack on the short-lived part.
 """

@@ -16,7 +16,7 @@ def _tokens(x: float) -> str:
 
 def render_candidate(c: Candidate) -> list[str]:
     m, t = c.memory, c.time
-    phase = {"forward": "end of the forward", "loss": "the loss backward (last chunk)",
+    phase = {"forward": "the end of the forward", "loss": "the loss backward",
              "backward": "the backward of a decoder layer", "optimizer": "the optimizer step"}[m.peak_phase]
     lines = [f"  per-GPU peak: {m.total_gib:.2f} GiB of {c.capacity_gib:.2f} GiB, during {phase}",
              f"  {'term':<58} {'GiB':>7}  formula (bytes)"]

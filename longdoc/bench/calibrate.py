@@ -1,0 +1,99 @@
+"""The planner's memory formulas against measured peaks of real CPU training runs.
+
+    rows = calibrate([TrainRun(model="tiny", cp=2, seq_len=16384), ...])
+
+The prediction is `memory.estimate` in CPU mode (fp32, no FSDP, DDP buckets when there are several
+ranks, the "cpu" device's runtime constant), made from the model's config alone. The measurement is the
+largest lifetime peak RSS of any rank (`runs.run_steps`). Nothing measured flows into the prediction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from longdoc.bench.hardware import GIB
+from longdoc.bench.memory import MemoryEstimate, Setup, estimate
+from longdoc.bench.runs import MODELS, TINY, RunResult, TrainRun, run_steps
+from longdoc.bench.shapes import ModelShape, model_shape, shape_from_config
+
+TOLERANCE = 0.15
+
+# The acceptance set: tiny and 135M models, cp 1 and 2, 4k to 32k tokens, with and without checkpointing.
+DEFAULT_RUNS = (
+    TrainRun(model="tiny", cp=1, seq_len=4096),
+    TrainRun(model="tiny", cp=2, seq_len=4096),
+    TrainRun(model="tiny", cp=1, seq_len=16384, checkpointing=False),
+    TrainRun(model="tiny", cp=2, seq_len=32768, checkpointing=False),
+    TrainRun(model="tiny", cp=2, seq_len=32768),
+    TrainRun(model="135m", cp=1, seq_len=4096),
+    TrainRun(model="135m", cp=2, seq_len=8192),
+    TrainRun(model="135m", cp=2, seq_len=8192, lora=True),
+)
+QUICK_RUNS = DEFAULT_RUNS[:2]
+
+
+def run_shape(run: TrainRun) -> ModelShape:
+    if run.model == "tiny":
+        from longdoc import models
+
+        config = models.tiny_config("llama", **{**models._DEFAULT_TOKEN_IDS, **TINY})
+        return shape_from_config(config, name="tiny:llama " + ",".join(f"{k}={v}" for k, v in TINY.items()))
+    return model_shape(MODELS[run.model])
+
+
+def setup_for(run: TrainRun) -> Setup:
+    return Setup(shape=run_shape(run), seq_len=run.seq_len, cp=run.cp, dp=1, checkpointing=run.checkpointing,
+                 loss_chunk=run.loss_chunk, lora=run.lora, device="cpu")
+
+
+def predict(run: TrainRun) -> MemoryEstimate:
+    return estimate(setup_for(run))
+
+
+@dataclass
+class Calibration:
+    run: TrainRun
+    predicted_gib: float
+    measured_gib: float
+    peak_phase: str
+    result: RunResult
+
+    @property
+    def error(self) -> float:
+        """(predicted - measured) / measured."""
+        return self.predicted_gib / self.measured_gib - 1
+
+    @property
+    def ok(self) -> bool:
+        return abs(self.error) <= TOLERANCE
+
+    def to_dict(self) -> dict:
+        return {"run": self.run.label(), "predicted_gib": self.predicted_gib, "measured_gib": self.measured_gib,
+                "error": self.error, "within_tolerance": self.ok, "peak_phase": self.peak_phase,
+                "rank_peaks_gib": self.result.rank_peaks_gib, "step_peaks_gib": self.result.step_peaks_gib,
+                "step_s": self.result.step_s}
+
+
+def compare(run: TrainRun, result: RunResult) -> Calibration:
+    est = predict(run)
+    return Calibration(run=run, predicted_gib=est.total / GIB, measured_gib=result.peak_gib,
+                       peak_phase=est.peak_phase, result=result)
+
+
+def calibrate(runs=DEFAULT_RUNS, log=print) -> list[Calibration]:
+    out = []
+    for run in runs:
+        cal = compare(run, run_steps(run))
+        log(f"  {run.label():<22} predicted {cal.predicted_gib:6.3f} GiB, measured {cal.measured_gib:6.3f} GiB "
+            f"({cal.error:+.1%}, peak in {cal.peak_phase})")
+        out.append(cal)
+    return out
+
+
+def to_markdown(rows: list[Calibration]) -> str:
+    lines = ["| run | predicted GiB | measured peak RSS GiB | error | planner's peak phase |",
+             "|---|---:|---:|---:|---|"]
+    for c in rows:
+        lines.append(f"| {c.run.label()} | {c.predicted_gib:.3f} | {c.measured_gib:.3f} | {c.error:+.1%} | "
+                     f"{c.peak_phase} |")
+    return "\n".join(lines)

@@ -1,0 +1,145 @@
+"""Real training steps for the benchmarks and the planner's calibration: the trainer, on local gloo ranks.
+
+    result = run_steps(TrainRun(model="tiny", cp=2, seq_len=8192))
+    result.peak_gib          # the largest peak RSS of any rank over its whole life (model load included)
+
+Each run starts fresh processes (`longdoc.spawn.run_local`), so a rank's peak resident set size
+(`ru_maxrss`, never reset) is the honest memory a machine must provide for it: Python, torch,
+transformers, the model load, every step. Runs use `longdoc.train.loop.train` itself, with random
+tokens and nothing written but a scratch folder.
+
+Ranks first call `return_freed_memory()` (TrainRun.release_memory, on by default): with glibc's
+defaults a training process keeps 0.5-2 GiB of freed tensor memory that no formula predicts (see there).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+import tempfile
+from dataclasses import asdict, dataclass, field
+
+from longdoc.spawn import run_local
+
+# The benchmarks' tiny model: small enough for 32k tokens on two cores, with the real tokenizer's
+# vocabulary so the loss chunks weigh what they weigh for the 135M model.
+TINY = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32)
+MODELS = {"tiny": "tiny:llama", "135m": "SmolLM2-135M-Instruct"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainRun:
+    model: str = "tiny"  # "tiny" (TINY above) or "135m" (SmolLM2-135M-Instruct)
+    cp: int = 1
+    seq_len: int = 4096
+    steps: int = 2  # the second step is the steady state: optimizer states exist through it
+    checkpointing: bool = True
+    lora: bool = False
+    loss_chunk: int = 1024
+    threads: int | None = None  # per rank; None: total_threads // cp
+    total_threads: int = 2
+    release_memory: bool = True  # return_freed_memory() in every rank before anything is allocated
+
+    def __post_init__(self):
+        if self.model not in MODELS:
+            raise ValueError(f"model must be one of {', '.join(MODELS)}, got {self.model!r}")
+
+    @property
+    def rank_threads(self) -> int:
+        return self.threads or max(1, self.total_threads // self.cp)
+
+    def label(self) -> str:
+        extra = ("" if self.checkpointing else " noAC") + (" LoRA" if self.lora else "")
+        extra += "" if self.release_memory else " glibc-default"
+        return f"{self.model} cp{self.cp} {self.seq_len // 1024}k{extra}"
+
+    def recipe(self, output_dir: str) -> dict:
+        model: dict = {"name": MODELS[self.model]}
+        if self.model == "tiny":
+            model["overrides"] = dict(TINY)
+        elif self.seq_len > 8192:  # SmolLM2's native context is 8k
+            model.update(rope_type="yarn", rope_factor=float(2 ** max(0, (self.seq_len - 1).bit_length() - 13)))
+        return {
+            "output_dir": output_dir,
+            "cp_size": self.cp,
+            "model": model,
+            "lora": {"enabled": self.lora},
+            "data": {"path": "random", "seq_len": self.seq_len, "random_size": self.steps},
+            "optim": {"warmup_steps": 0},
+            "train": {"steps": self.steps, "batch_size": 1, "activation_checkpointing": self.checkpointing,
+                      "loss_chunk_tokens": self.loss_chunk},
+            "checkpoint": {"every": 0, "at_end": False, "export": False},
+            "log": {"progress": False, "tensorboard": False, "plot": False},
+        }
+
+
+@dataclass
+class RunResult:
+    run: TrainRun
+    peak_gib: float  # max over ranks of the lifetime peak RSS
+    rank_peaks_gib: list[float]
+    step_peaks_gib: list[float]  # per step, max over ranks (the trainer's per-step peak RSS)
+    step_s: list[float]
+    tokens_per_s: float  # steady state: steps after the first
+    losses: list[float] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["run"] = asdict(self.run) | {"label": self.run.label()}
+        return d
+
+
+def return_freed_memory() -> bool:
+    """Make glibc give freed memory back to the OS at once; True where it applied (glibc only).
+
+    By default glibc raises its mmap threshold to the size of the largest block freed so far (up to 32 MiB)
+    and keeps freed heap memory for reuse. A training step frees gigabytes of activations in blocks of a
+    few MiB, so the process keeps 0.5-2 GiB more than its live tensors (measured with SmolLM2-135M at 1k-4k
+    tokens), an amount that depends on allocation order. A fixed 128 KiB threshold makes every larger
+    tensor its own mapping, unmapped when freed: the resident size then follows the live tensors. The
+    price is a page fault per fresh page, a few percent of a CPU step.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's mallopt parameter numbers
+    return bool(libc.mallopt(m_mmap_threshold, 128 * 1024)) and bool(libc.mallopt(m_trim_threshold, 128 * 1024))
+
+
+def _rank(rank: int, world_size: int, recipe: dict, release_memory: bool) -> dict:
+    if release_memory:
+        return_freed_memory()
+    # run_local has joined the gloo group; Accelerate reads the launcher's variables.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500",
+                      HF_HUB_OFFLINE="1")
+    from longdoc.train import recipe_from_dict
+    from longdoc.train.loop import train
+
+    result = train(recipe_from_dict(recipe))
+    return {
+        "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # KiB -> GiB
+        "step_peaks_gib": [s.peak_gb for s in result.history],
+        "step_s": [s.step_s for s in result.history],
+        "losses": [s.loss for s in result.history],
+        "tokens": [s.tokens for s in result.history],
+    }
+
+
+def run_steps(run: TrainRun, deadline: float = 3600) -> RunResult:
+    """Train `run.steps` steps on `run.cp` fresh local ranks and report peak memory and speed."""
+    with tempfile.TemporaryDirectory(prefix="longdoc-bench-") as tmp:
+        per_rank = run_local(run.cp, _rank, run.recipe(tmp), run.release_memory, threads=run.rank_threads,
+                             deadline=deadline,
+                             pg_timeout=max(600, deadline))
+    steps = len(per_rank[0]["step_s"])
+    step_peaks = [max(r["step_peaks_gib"][k] for r in per_rank) for k in range(steps)]
+    step_s = [max(r["step_s"][k] for r in per_rank) for k in range(steps)]
+    steady = list(range(1, steps)) or [0]
+    tokens = sum(per_rank[0]["tokens"][k] for k in steady)
+    return RunResult(run=run, peak_gib=max(r["peak_gib"] for r in per_rank),
+                     rank_peaks_gib=[r["peak_gib"] for r in per_rank], step_peaks_gib=step_peaks, step_s=step_s,
+                     tokens_per_s=tokens / sum(step_s[k] for k in steady), losses=per_rank[0]["losses"])

@@ -1,0 +1,203 @@
+"""`longdoc bench`: every section in one run, one JSON, one markdown report, PNG plots.
+
+    longdoc bench                         # all sections (make bench); --quick for a smoke run
+    longdoc bench attention memory        # some sections
+    longdoc bench --readme README.md      # also replace the README's table between the bench markers
+
+Sections: attention (CP efficiency E, zigzag gain Z, ring vs all-gather, across lengths), train (tokens/s,
+cp=1 vs cp=2 at equal cores, tiny and 135M), memory (peak per rank vs cp), longest (longest sequence under
+a per-process cap), calibration (planner vs measured peaks of every CPU run made), gpu (CUDA only: block
+kernels vs one flash call). The report records the machine and its load average: timings taken on a
+loaded machine are flagged as such (memory peaks are not affected by load).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from longdoc.bench import attention, calibrate, plots, training
+from longdoc.bench.attention import AttentionBenchConfig
+from longdoc.bench.gpu import KernelBenchConfig
+from longdoc.bench.runs import TrainRun
+from longdoc.bench.training import Measured, TrainBenchConfig
+
+SECTIONS = ("attention", "train", "memory", "longest", "calibration", "gpu")
+README_START, README_END = "<!-- bench:start -->", "<!-- bench:end -->"
+
+
+@dataclass(kw_only=True)
+class SuiteConfig:
+    sections: tuple[str, ...] = SECTIONS
+    out: str = "runs/bench"
+    attention: AttentionBenchConfig = field(default_factory=AttentionBenchConfig)
+    attention_lengths: tuple[int, ...] = (4096, 8192, 16384)
+    train: TrainBenchConfig = field(default_factory=TrainBenchConfig)
+    calibration_runs: tuple[TrainRun, ...] = calibrate.DEFAULT_RUNS
+    gpu: KernelBenchConfig = field(default_factory=KernelBenchConfig)
+
+
+def quick() -> SuiteConfig:
+    """Small sizes: every section's code path in a few minutes (smoke test, not numbers to publish)."""
+    return SuiteConfig(attention=AttentionBenchConfig(repeats=1), attention_lengths=(1024, 2048),
+                       train=training.QUICK, calibration_runs=calibrate.QUICK_RUNS,
+                       gpu=KernelBenchConfig(lengths=(4096, 16384), ranks=(2, 4), repeats=2))
+
+
+def machine() -> dict:
+    import torch
+
+    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpus": os.cpu_count(), "cpu": platform.processor() or platform.machine()}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        info["cpu"] = re.search(r"model name\s*:\s*(.+)", text).group(1).strip()
+        mem = re.search(r"MemTotal:\s*(\d+)", Path("/proc/meminfo").read_text()).group(1)
+        info["memory_gib"] = round(int(mem) / 2**20, 1)
+    except (OSError, AttributeError):
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def _load() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return -1.0
+
+
+def run(cfg: SuiteConfig, log=print) -> dict:
+    """Run the sections, write bench.json, bench.md and the PNGs into cfg.out; return the results."""
+    import torch
+
+    unknown = [n for n in cfg.sections if n not in SECTIONS]
+    if unknown:
+        raise ValueError(f"unknown bench section(s) {unknown}; choose among {', '.join(SECTIONS)}")
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result: dict = {"machine": machine(), "started": datetime.datetime.now().isoformat(timespec="seconds"),
+                    "load_start": _load(), "sections": {}, "plots": []}
+    measured: dict[TrainRun, Measured] = {}
+
+    def measure(run: TrainRun) -> Measured:
+        # one real run per configuration: the calibration table reuses the other sections' runs
+        if run not in measured:
+            measured[run] = training.measure(run, log)
+        return measured[run]
+
+    for name in cfg.sections:
+        log(f"[bench] {name}")
+        if name == "attention":
+            res = attention.sweep(list(cfg.attention_lengths), cfg.attention, log)
+            result["plots"].append(str(plots.attention(res, out)))
+        elif name == "train":
+            res = [m.to_dict() for m in training.throughput(cfg.train, measure)]
+            result["plots"].append(str(plots.throughput(res, out)))
+        elif name == "memory":
+            res = training.memory_vs_cp(cfg.train, measure)
+            result["plots"].append(str(plots.memory(res, out)))
+        elif name == "longest":
+            res = training.longest_under_cap(cfg.train, measure, log)
+            result["plots"].append(str(plots.longest(res, out)))
+        elif name == "calibration":
+            for r in cfg.calibration_runs:
+                measure(r)
+            res = [_calibration_row(m) for m in measured.values()]
+            calibrated = [r for r in res if r["calibrated"]] or res
+            result["plots"].append(str(plots.calibration(calibrated, out, calibrate.TOLERANCE)))
+        elif name == "gpu":
+            if not torch.cuda.is_available():
+                log("  skipped: no CUDA device")
+                continue
+            from longdoc.bench import gpu
+
+            res = gpu.run(cfg.gpu, log)
+            result["plots"].append(str(plots.kernels(res, out)))
+        result["sections"][name] = res
+    result["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
+    result["load_end"] = _load()
+    (out / "bench.json").write_text(json.dumps(result, indent=2, default=str))
+    (out / "bench.md").write_text(to_markdown(result) + "\n")
+    return result
+
+
+def _calibration_row(m: Measured) -> dict:
+    err = m.predicted_gib / m.peak_gib - 1
+    return {"run": m.run.label(), "predicted_gib": m.predicted_gib, "measured_gib": m.peak_gib, "error": err,
+            "within_tolerance": abs(err) <= calibrate.TOLERANCE, "calibrated": m.run.release_memory,
+            "run_config": asdict(m.run)}
+
+
+def to_markdown(result: dict) -> str:
+    from longdoc.bench import gpu
+
+    m = result["machine"]
+    cpus = m.get("cpus") or 1
+    loaded = max(result.get("load_start", 0), result.get("load_end", 0)) > 0.5 * cpus
+    lines = [f"Machine: {m.get('cpu')}, {cpus} cores, {m.get('memory_gib', '?')} GiB"
+             + (f", {m['gpu']}" if m.get("gpu") else "") + f"; torch {m['torch']}, Python {m['python']}. "
+             f"Run {result['started']} to {result.get('finished', '?')}, load average "
+             f"{result.get('load_start', -1):.1f} at start, {result.get('load_end', -1):.1f} at the end."]
+    if loaded:
+        lines.append("")
+        lines.append(f"**Timings below were taken on a loaded machine** (load average above {cpus / 2:g} on "
+                     f"{cpus} cores): times, tokens/s, E and Z are disturbed; memory peaks are not.")
+    s = result["sections"]
+    if "attention" in s:
+        lines += ["", "#### Attention: CP efficiency, zigzag vs contiguous, ring vs all-gather", "",
+                  attention.sweep_markdown(s["attention"])]
+    if "train" in s:
+        rows = [_from_dict(r) for r in s["train"]]
+        lines += ["", "#### Training step: cp=1 vs cp=2 at equal total cores", "",
+                  training.throughput_markdown(rows)]
+    if "memory" in s:
+        lines += ["", "#### Peak memory per rank vs cp", "", training.memory_markdown(s["memory"])]
+    if "longest" in s:
+        lines += ["", "#### Longest sequence under a per-process memory cap", "",
+                  training.longest_markdown(s["longest"])]
+    if "calibration" in s:
+        rows = [r for r in s["calibration"] if r.get("calibrated", True)]
+        raw = [r for r in s["calibration"] if not r.get("calibrated", True)]
+        ok = sum(r["within_tolerance"] for r in rows)
+        lines += ["", f"#### Planner vs measured peak memory ({ok} of {len(rows)} runs within "
+                      f"{calibrate.TOLERANCE:.0%})", "",
+                  "Peak RSS over each rank's whole life (largest rank), ranks returning freed memory to the OS "
+                  "(`longdoc.bench.runs.return_freed_memory`).", "",
+                  "| run | planner GiB | measured peak RSS GiB | error |", "|---|---:|---:|---:|"]
+        lines += [f"| {r['run']} | {r['predicted_gib']:.3f} | {r['measured_gib']:.3f} | {r['error']:+.1%} |"
+                  for r in rows]
+        if raw:
+            lines += ["", "With glibc's default allocator (the speed runs) the same processes hold freed memory: "
+                          + "; ".join(f"{r['run']}: {r['measured_gib']:.2f} GiB measured vs {r['predicted_gib']:.2f} "
+                                      f"planned" for r in raw) + "."]
+    if "gpu" in s:
+        lines += ["", "#### CUDA block kernels", "", gpu.to_markdown(s["gpu"])]
+    if result.get("plots"):
+        lines += ["", "Plots: " + ", ".join(f"`{Path(p).name}`" for p in result["plots"])]
+    return "\n".join(lines)
+
+
+def _from_dict(d: dict) -> Measured:
+    run = TrainRun(model=d["model"], cp=d["cp"], seq_len=d["seq_len"], checkpointing=d["checkpointing"],
+                   lora=d["lora"], threads=d["threads_per_rank"])
+    return Measured(run=run, peak_gib=d["peak_gib"], predicted_gib=d["predicted_gib"],
+                    tokens_per_s=d["tokens_per_s"], step_s=d["step_s"], rank_peaks_gib=d["rank_peaks_gib"])
+
+
+def update_readme(path: str | Path, markdown: str) -> bool:
+    """Replace the text between the bench markers of a README; False if the markers are missing."""
+    p = Path(path)
+    text = p.read_text()
+    if README_START not in text or README_END not in text:
+        return False
+    head, rest = text.split(README_START, 1)
+    _, tail = rest.split(README_END, 1)
+    p.write_text(f"{head}{README_START}\n{markdown}\n{README_END}{tail}")
+    return True

@@ -1,0 +1,139 @@
+"""Benchmark plumbing without processes: reports, plots, README update, CPU run of the CUDA kernel section."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from longdoc.bench import calibrate, gpu, plots, suite, training
+from longdoc.bench.runs import TrainRun, return_freed_memory
+
+
+def _fake_result(load: float = 0.1) -> dict:
+    att_run = {"median_s": {"single/sdpa": 1.0, "zigzag/ring": 1.05, "contiguous/ring": 1.5, "zigzag/allgather": 1.1,
+                            "contiguous/allgather": 1.6},
+               "ratios": {"E": 0.95, "Z": 1.43, "ring_vs_allgather": 1.05}}
+    row = {"run": "tiny cp1 4k", "cp": 1, "seq_len": 4096, "model": "tiny", "checkpointing": True, "lora": False,
+           "peak_gib": 1.30, "predicted_gib": 1.35, "error": 0.04, "tokens_per_s": 900.0, "step_s": [5.0, 4.5],
+           "rank_peaks_gib": [1.3], "threads_per_rank": 2}
+    row2 = row | {"cp": 2, "run": "tiny cp2 4k", "peak_gib": 1.0, "predicted_gib": 1.02, "threads_per_rank": 1}
+    return {
+        "machine": {"cpu": "Test CPU", "cpus": 2, "memory_gib": 23.0, "torch": "2.13.0", "python": "3.11"},
+        "started": "2026-01-01T00:00:00", "finished": "2026-01-01T01:00:00", "load_start": load, "load_end": load,
+        "plots": [],
+        "sections": {
+            "attention": {"config": dataclasses.asdict(suite.AttentionBenchConfig()), "lengths": [4096],
+                          "runs": [att_run]},
+            "train": [row, row2],
+            "memory": {"run": "tiny cp1 16k noAC", "rows": [row | {"predicted_fixed_gib": 0.6,
+                                                                    "predicted_scaling_gib": 0.7},
+                                                             row2 | {"predicted_fixed_gib": 0.6,
+                                                                     "predicted_scaling_gib": 0.4}]},
+            "longest": {"cap_gib": 2.0, "run": "tiny cp1 4k noAC", "step": 4096,
+                        "rows": [{"cp": 1, "predicted_longest": 16384, "measured_longest": 16384, "first_over": 20480,
+                                  "probes": [row | {"seq_len": 16384}]}]},
+            "calibration": [{"run": "tiny cp1 4k", "predicted_gib": 1.35, "measured_gib": 1.30, "error": 0.04,
+                             "within_tolerance": True}],
+        },
+    }
+
+
+def test_markdown_report_has_every_section_and_flags_a_loaded_machine():
+    md = suite.to_markdown(_fake_result())
+    for title in ("CP efficiency", "cp=1 vs cp=2", "vs cp", "memory cap", "Planner vs measured"):
+        assert title in md
+    assert "| 4,096 |" in md and "0.950" in md and "1.430" in md  # E and Z in the attention table
+    assert "loaded machine" not in md
+    assert "**Timings below were taken on a loaded machine**" in suite.to_markdown(_fake_result(load=4.0))
+
+
+def test_plots_are_written(tmp_path):
+    r = _fake_result()["sections"]
+    paths = [plots.attention(r["attention"], tmp_path), plots.throughput(r["train"], tmp_path),
+             plots.memory(r["memory"], tmp_path), plots.longest(r["longest"], tmp_path),
+             plots.calibration(r["calibration"], tmp_path, 0.15)]
+    for p in paths:
+        assert p.is_file() and p.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_readme_table_is_replaced_between_markers(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n## Performance\n{suite.README_START}\nold\n{suite.README_END}\n\n## Tests\nkeep\n")
+    assert suite.update_readme(readme, "| new |")
+    text = readme.read_text()
+    assert "| new |" in text and "old" not in text and text.endswith("## Tests\nkeep\n")
+    other = tmp_path / "other.md"
+    other.write_text("no markers")
+    assert not suite.update_readme(other, "x")
+
+
+def test_kernel_section_runs_on_cpu_at_toy_size():
+    cfg = gpu.KernelBenchConfig(lengths=(128,), ranks=(2, 4), heads=4, kv_heads=2, head_dim=16, dtype="float32",
+                                repeats=1, device="cpu")
+    res = gpu.run(cfg, log=lambda *_: None)
+    assert [r["variant"] for r in res["rows"]] == ["full SDPA", "kernel cpu_flash, 1 block", "2 ranks (per rank)",
+                                                   "4 ranks (per rank)"]
+    assert all(r["seconds"] > 0 and r["tflops"] > 0 for r in res["rows"])
+    assert "| 128 |" in gpu.to_markdown(res)
+
+
+def test_simulated_ranks_compute_the_real_attention():
+    # The ring with local copies instead of messages is the real algorithm: rank outputs == full attention.
+    import torch
+    import torch.nn.functional as F
+
+    from longdoc.parallel import kernels
+    from longdoc.parallel import layout as layouts
+    from longdoc.parallel.ring import ring_forward
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 64, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    kernel = kernels.KERNELS["math"]
+    size = 4
+    kv = [torch.stack([layouts.shard(k, 2, r, size, "zigzag"), layouts.shard(v, 2, r, size, "zigzag")])
+          for r in range(size)]
+    for r in range(size):
+        out, _ = ring_forward(layouts.shard(q, 2, r, size, "zigzag"), kv[r][0], kv[r][1], gpu._LocalRing(r, size, kv),
+                              "zigzag", True, 16**-0.5, kernel)
+        torch.testing.assert_close(out, layouts.shard(ref, 2, r, size, "zigzag"))
+
+
+def test_calibration_predictions_cover_the_acceptance_set():
+    runs = calibrate.DEFAULT_RUNS
+    assert len(runs) >= 6
+    assert {r.model for r in runs} == {"tiny", "135m"} and {r.cp for r in runs} == {1, 2}
+    assert min(r.seq_len for r in runs) >= 4096 and max(r.seq_len for r in runs) <= 32768
+    for r in runs:
+        est = calibrate.predict(r)
+        assert 0.5 < est.total_gib < 8.0, (r.label(), est.total_gib)
+        assert est.setup.device == "cpu" and est.setup.uses_ddp == (r.cp > 1) and not est.setup.uses_fsdp
+
+
+def test_planner_longest_is_consistent_with_predictions():
+    run = TrainRun(model="tiny", seq_len=4096, checkpointing=False, cp=1)
+    n = training._predicted_longest(run, 2.0, 2048)
+    assert n > 0 and n % 2048 == 0
+    assert calibrate.predict(dataclasses.replace(run, seq_len=n)).total_gib <= 2.0
+    assert calibrate.predict(dataclasses.replace(run, seq_len=n + 2048)).total_gib > 2.0
+    two = training._predicted_longest(dataclasses.replace(run, cp=2), 2.0, 2048)
+    assert two > n  # halving the tokens per rank buys length
+
+
+def test_train_run_recipe_and_labels():
+    r = TrainRun(model="135m", cp=2, seq_len=16384, lora=True, checkpointing=False)
+    recipe = r.recipe("/tmp/x")
+    assert recipe["cp_size"] == 2 and recipe["lora"]["enabled"] and recipe["model"]["rope_type"] == "yarn"
+    assert recipe["model"]["rope_factor"] == 2.0 and recipe["train"]["activation_checkpointing"] is False
+    assert r.label() == "135m cp2 16k noAC LoRA" and r.rank_threads == 1
+    with pytest.raises(ValueError, match="tiny"):
+        TrainRun(model="7b")
+    assert isinstance(return_freed_memory(), bool)
+
+
+def test_cli_rejects_unknown_sections(capsys):
+    from longdoc.cli import main
+
+    assert main(["bench", "nonsense"]) == 2
+    assert "choose among" in capsys.readouterr().out
