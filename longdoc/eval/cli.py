@@ -3,12 +3,12 @@
     longdoc eval qa --model SmolLM2-135M-Instruct --data legal.jsonl medical.jsonl --cp 2
     longdoc eval needle --model runs/demo/final --domain legal --lengths 1024,2048,4096 --cp 2
     longdoc eval position-loss --model runs/demo/final --data legal.jsonl --length 4096 --cp 2
-    longdoc eval compare reports/qa-base reports/qa-tuned           # two run folders, or two models:
+    longdoc eval compare runs/eval/qa-base runs/eval/qa-tuned           # two run folders, or two models:
     longdoc eval compare SmolLM2-135M-Instruct runs/demo/final --names base tuned --data qa.jsonl --cp 2
 
 --cp N on one machine spawns N local gloo ranks. Under a launcher (`accelerate launch --multi_gpu
 --num_processes N -m longdoc eval ...` or torchrun) every process is one rank and --cp must equal N.
-Each run writes one folder (default reports/<task>-<model>-<time>) with results.json, summary.md
+Each run writes one folder (default runs/eval/<task>-<model>-<time>) with results.json, summary.md
 and PNGs, and prints its path.
 """
 
@@ -40,7 +40,7 @@ def _common(p: argparse.ArgumentParser, model: bool = True) -> None:
         p.add_argument("--model", default="SmolLM2-135M-Instruct",
                        help="model name, folder, .gguf, hub id or tiny:<arch> (default: %(default)s)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel ranks (default: %(default)s)")
-    p.add_argument("--out", default=None, help="run folder (default: reports/<task>-<model>-<time>)")
+    p.add_argument("--out", default=None, help="run folder (default: runs/eval/<task>-<model>-<time>)")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default: %(default)s)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="auto = CUDA under a launcher when available, else CPU")

@@ -4,9 +4,9 @@ A and B are each either a run folder (results.json), a folder of run folders (on
 command writes them), or a model to evaluate now with --tasks (default qa, needle, position-loss):
 
     longdoc eval compare SmolLM2-135M-Instruct runs/demo/final --names base tuned \
-        --data heldout.jsonl --lengths 1k,2k --cp 2 --out reports/demo-compare
+        --data heldout.jsonl --lengths 1k,2k --cp 2 --out runs/eval/demo-compare
 
-writes reports/demo-compare/{base,tuned}/<task>/ (each a normal run folder) and, at the top,
+writes runs/eval/demo-compare/{base,tuned}/<task>/ (each a normal run folder) and, at the top,
 results.json, summary.md and compare_*.png for the tasks both sides have. Loss by position runs over
 the --data documents unless --pl-data (or --length, to generate documents) says otherwise.
 """

@@ -1,6 +1,6 @@
 """Run folders: one per evaluation run, holding results.json, summary.md and the PNGs.
 
-    reports/qa-SmolLM2-135M-Instruct-20250101-120000/
+    runs/eval/qa-SmolLM2-135M-Instruct-20250101-120000/
         results.json    every number (per question / per cell / per bucket) and the run's settings
         summary.md      the tables a person reads
         *.png           plots, drawn from results.json as written
@@ -25,8 +25,8 @@ RESULTS = "results.json"
 SUMMARY = "summary.md"
 
 
-def default_run_dir(task: str, model: str, root: str | os.PathLike = "reports") -> Path:
-    """reports/<task>-<model slug>-<UTC timestamp>."""
+def default_run_dir(task: str, model: str, root: str | os.PathLike = "runs/eval") -> Path:
+    """runs/eval/<task>-<model slug>-<UTC timestamp>."""
     slug = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(model.rstrip("/")).name or model).strip("-") or "model"
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
     return Path(root) / f"{task}-{slug}-{stamp}"
