@@ -48,10 +48,12 @@ demo: install
 	$(MAKE) --no-print-directory demo-eval DEMO_OUT=$(DEMO_OUT) DEMO_DATA=$(DEMO_DATA); \
 	echo "demo finished in $$(( $$(date +%s) - start )) s; outputs in $(DEMO_OUT)/"
 
-# Hook for the evaluation issue: compare the base model with $(DEMO_OUT)/final on
-# $(DEMO_DATA)/legal-4k-heldout.jsonl. Until it exists the demo reports training loss and tokens/s only.
-demo-eval:
-	@echo "(evaluation not wired yet: see the training summary above)"
+# Base vs fine-tuned on the held-out case files: document QA (EM/F1/NLL by question kind) and loss by
+# position, both with cp=2; the needle grid is left out of the demo for time (`longdoc eval needle`).
+demo-eval: install
+	HF_HUB_OFFLINE=1 $(PY) -m longdoc eval compare SmolLM2-135M-Instruct $(DEMO_OUT)/final --names base tuned \
+		--tasks qa,position-loss --data $(DEMO_DATA)/legal-4k-heldout.jsonl --limit-docs 1 \
+		--limit-questions 8 --cp 2 --out $(DEMO_OUT)/compare
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
