@@ -53,7 +53,7 @@ demo: install
 demo-eval: install
 	HF_HUB_OFFLINE=1 $(PY) -m longdoc eval compare SmolLM2-135M-Instruct $(DEMO_OUT)/final --names base tuned \
 		--tasks qa,position-loss --data $(DEMO_DATA)/legal-4k-heldout.jsonl --limit-docs 1 \
-		--limit-questions 8 --cp 2 --out $(DEMO_OUT)/compare
+		--limit-questions 6 --max-new-tokens 32 --cp 2 --out $(DEMO_OUT)/compare
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
