@@ -33,3 +33,4 @@ def test_errors_name_the_fix():
         L.shard(torch.zeros(10), 0, 0, 2, "zigzag")
     with pytest.raises(ValueError, match="rank must be in"):
         L.chunk_ids("zigzag", 2, 2)
+
