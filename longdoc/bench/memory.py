@@ -9,6 +9,7 @@ Notation (every term below is in bytes; README "Planning" works an example by ha
 
 State (present all step):      weights P*4/S (LoRA: frozen base P*c, adapters *4); AdamW 2*P_t*4/S
 Gradients (backward on):       P_t*4/S; + DDP bucket copy P_t*4 when DDP (world > 1, no FSDP), all step
+                               (resident from the 3rd step: DDP rebuilds its buckets in the 2nd)
 Saved activations, per token and layer, of an HF Llama-style layer (counted with saved-tensor hooks in
 the tests):  A = 2*(4h + 4 + 2ch) [two RMSNorms: fp32 input, rsqrt, normed, out] + c*(3q + 2kv) [q, k
 after RoPE, v, attention out, o_proj input] + 4nh [lse] + 4cI [gate, up, act, product]; Qwen3's q/k
@@ -72,6 +73,8 @@ class Setup:
     lora_targets: tuple[str, ...] = LORA_TARGETS
     device: str = "h100"
     fsdp: bool | None = None  # None: the trainer's choice (FSDP2 for full fine-tuning on GPU)
+    ddp: bool | None = None  # None: DDP when several ranks and no FSDP. Under a launcher Accelerate wraps even
+    #                          a single process in DDP (its gradient buckets included), so CPU runs pass True.
 
     def __post_init__(self):
         device(self.device)
@@ -108,6 +111,8 @@ class Setup:
 
     @property
     def uses_ddp(self) -> bool:
+        if self.ddp is not None:
+            return self.ddp and not self.uses_fsdp
         return self.world > 1 and not self.uses_fsdp
 
     @property

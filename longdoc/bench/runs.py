@@ -34,7 +34,7 @@ class TrainRun:
     model: str = "tiny"  # "tiny" (TINY above) or "135m" (SmolLM2-135M-Instruct)
     cp: int = 1
     seq_len: int = 4096
-    steps: int = 2  # the second step is the steady state: optimizer states exist through it
+    steps: int = 3  # steady state from the third: optimizer states exist, DDP has rebuilt its buckets
     checkpointing: bool = True
     lora: bool = False
     loss_chunk: int = 1024
@@ -52,6 +52,7 @@ class TrainRun:
 
     def label(self) -> str:
         extra = ("" if self.checkpointing else " noAC") + (" LoRA" if self.lora else "")
+        extra += "" if self.loss_chunk == 1024 else f" CE{self.loss_chunk}"
         extra += "" if self.release_memory else " glibc-default"
         return f"{self.model} cp{self.cp} {self.seq_len // 1024}k{extra}"
 
