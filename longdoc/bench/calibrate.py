@@ -30,7 +30,7 @@ DEFAULT_RUNS = (
     TrainRun(model="135m", cp=2, seq_len=8192, loss_chunk=256),  # small loss chunks: the backward is the peak
     TrainRun(model="135m", cp=2, seq_len=8192, lora=True),
 )
-QUICK_RUNS = DEFAULT_RUNS[:2]
+QUICK_RUNS = (TrainRun(model="tiny", cp=1, seq_len=2048), TrainRun(model="tiny", cp=2, seq_len=2048))
 
 
 def run_shape(run: TrainRun) -> ModelShape:

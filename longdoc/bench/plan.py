@@ -183,14 +183,21 @@ def _suggestions(req: PlanRequest, result: Plan) -> list[str]:
     need = result.closest.memory.total_gib
     out.append(f"the smallest configuration ({result.closest.describe()}) needs {need:.1f} GiB per GPU, "
                f"{need - req.capacity_gib:.1f} GiB more than the {req.capacity_gib:.1f} GiB available")
-    for flag, change in (("--checkpointing", {"checkpointing": True}), ("the chunked loss (drop --no-chunked-loss)",
-                         {"chunked_loss": True}), ("--lora", {"lora": True}), ("without --cp/--dp/--strategy",
-                         {"cp": None, "dp": None, "strategy": None})):
-        key = next(iter(change))
-        if getattr(req, key) != change[key] and (key != "cp" or req.cp or req.dp or req.strategy):
-            best = _fits_with(req, shape, **change)
-            if best:
-                out.append(f"fits with {flag}: {best.describe()}, {best.memory.total_gib:.1f} GiB per GPU")
+    options = (("--checkpointing", {"checkpointing": True}, req.checkpointing is False),
+               ("the chunked loss (drop --no-chunked-loss)", {"chunked_loss": True}, not req.chunked_loss),
+               ("--lora", {"lora": True}, not req.lora),
+               ("without --cp/--dp/--strategy", {"cp": None, "dp": None, "strategy": None},
+                bool(req.cp or req.dp or req.strategy)))
+    for flag, change, applies in options:
+        best = _fits_with(req, shape, **change) if applies else None
+        if best:
+            out.append(f"fits with {flag}: {best.describe()}, {best.memory.total_gib:.1f} GiB per GPU")
+    together = [(f, c) for f, c, applies in options if applies and f != "--lora"]
+    if len(together) > 1 and len(out) == 1:  # no single change is enough: all of them at once?
+        best = _fits_with(req, shape, **{k: v for _, c in together for k, v in c.items()})
+        if best:
+            out.append(f"fits with {' and '.join(f for f, _ in together)}: {best.describe()}, "
+                       f"{best.memory.total_gib:.1f} GiB per GPU")
     gpus = req.gpus
     while gpus < 4096:
         gpus *= 2

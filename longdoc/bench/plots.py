@@ -36,6 +36,8 @@ def attention(result: dict, out: Path) -> Path:
     b.set(xscale="log", xlabel="tokens", ylabel="ratio", title="CP efficiency and layout gain")
     b.legend(fontsize=8)
     for ax in (a, b):
+        ax.set_xticks(lengths, [f"{n // 1024}k" if n >= 1024 else str(n) for n in lengths])
+        ax.minorticks_off()
         ax.grid(alpha=0.3)
     return _save(fig, out / "attention.png")
 
