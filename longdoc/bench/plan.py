@@ -58,7 +58,11 @@ class PlanRequest:
 
     @property
     def capacity_gib(self) -> float:
-        return self.memory_gib if self.memory_gib is not None else device(self.gpu).memory_gib
+        if self.memory_gib is not None:
+            return self.memory_gib
+        if self.gpu == "cpu":  # local ranks share this machine's memory
+            return _machine_memory_gib() / self.gpus
+        return device(self.gpu).memory_gib
 
 
 @dataclass
@@ -123,6 +127,17 @@ class Plan:
             "suggestions": self.suggestions,
             "candidates": [c.to_dict() for c in self.candidates],
         }
+
+
+def _machine_memory_gib() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return device("cpu").memory_gib
 
 
 def divisors(n: int) -> list[int]:

@@ -26,7 +26,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-len", type=int, required=True, help="tokens per training sequence")
     p.add_argument("--gpus", type=int, default=8, help="devices in the job (= dp x cp)")
     p.add_argument("--gpu", default="h100", choices=list(DEVICES), help="device kind ('cpu': one local gloo process)")
-    p.add_argument("--memory-gib", type=float, default=None, help="memory per device, overriding the device's")
+    p.add_argument("--memory-gib", type=float, default=None,
+                   help="memory per device, overriding the device's (cpu: this machine's RAM / --gpus)")
     p.add_argument("--interconnect", default="nvlink", choices=list(INTERCONNECTS),
                    help="link between the GPUs of a node (groups larger than a node use InfiniBand)")
     p.add_argument("--lora", action="store_true", help="LoRA r=16 on q/k/v/o, frozen bf16 base (no FSDP)")

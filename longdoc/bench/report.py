@@ -18,7 +18,8 @@ def render_candidate(c: Candidate) -> list[str]:
     m, t = c.memory, c.time
     phase = {"forward": "the end of the forward", "loss": "the loss backward",
              "backward": "the backward of a decoder layer", "optimizer": "the optimizer step"}[m.peak_phase]
-    lines = [f"  per-GPU peak: {m.total_gib:.2f} GiB of {c.capacity_gib:.2f} GiB, during {phase}",
+    lines = [f"  peak per {'rank' if not c.setup.dev.is_gpu else 'GPU'}: {m.total_gib:.2f} GiB of "
+             f"{c.capacity_gib:.2f} GiB, during {phase}",
              f"  {'term':<58} {'GiB':>7}  formula (bytes)"]
     for term in m.terms:
         lines.append(f"  {term.label:<58} {_gib(term.bytes)}  {term.formula}")
@@ -39,7 +40,7 @@ def render_plan(p: Plan, show_all: bool = False) -> str:
     dev = device(r.gpu)
     head = (f"longdoc plan: {sh.name} ({sh.params.total / 1e9:.2f}B params, {sh.layers} layers, hidden {sh.hidden}, "
             f"{sh.heads}/{sh.kv_heads} heads x {sh.head_dim}, vocab {sh.vocab:,}) at {r.seq_len:,} tokens "
-            f"x {r.micro_batch} on {r.gpus} x {dev.name} ({r.interconnect})")
+            f"x {r.micro_batch} on {r.gpus} x {dev.name}" + (f" ({r.interconnect})" if dev.is_gpu else ""))
     lines = [head, ""]
     if p.best is not None:
         lines.append(f"RECOMMENDED: {p.best.describe()}")

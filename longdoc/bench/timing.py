@@ -56,7 +56,8 @@ def estimate_time(s: Setup, interconnect: str = "nvlink", assume: Assumptions | 
     assume = assume or Assumptions()
     sh, dev, n, c = s.shape, s.dev, s.tokens, s.c
     peak = dev.peak_tflops * 1e12
-    mm_rate, attn_rate = peak * assume.matmul_efficiency, peak * assume.attention_efficiency
+    mm_rate, attn_rate = (peak, peak) if dev.achieved else (peak * assume.matmul_efficiency,
+                                                            peak * assume.attention_efficiency)
     lat = assume.latency_s
     bw_cp = link_gbps(dev, interconnect, s.cp) * 1e9 * assume.link_efficiency
     bw_all = link_gbps(dev, interconnect, s.world) * 1e9 * assume.link_efficiency

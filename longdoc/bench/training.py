@@ -6,7 +6,7 @@ to each measurement, so every run is also a calibration point.
               at equal total cores, for the tiny and the 135M model, with glibc's default allocator;
   memory      per-rank peak RSS at one total length for cp = 1, 2, 4: the activation part falls like 1/cp,
               the model state and the runtime stay;
-  longest     the longest sequence (a multiple of `step`) whose 2-step run stays under a per-process cap, for
+  longest     the longest sequence (a multiple of `step`) whose 3-step run stays under a per-process cap, for
               cp=1 and cp=2: the search starts where the planner says and probes real runs up or down.
 """
 

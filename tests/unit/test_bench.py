@@ -78,6 +78,18 @@ def test_kernel_section_runs_on_cpu_at_toy_size():
     assert "| 128 |" in gpu.to_markdown(res)
 
 
+@pytest.mark.gpu
+def test_kernel_section_on_cuda():
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cfg = gpu.KernelBenchConfig(lengths=(4096,), ranks=(2, 4), repeats=2)
+    res = gpu.run(cfg, log=print)
+    assert len(res["rows"]) == 4 and all(r["tflops"] > 1 for r in res["rows"])
+    print(gpu.to_markdown(res))
+
+
 def test_simulated_ranks_compute_the_real_attention():
     # The ring with local copies instead of messages is the real algorithm: rank outputs == full attention.
     import torch
