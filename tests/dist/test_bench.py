@@ -26,7 +26,7 @@ def _check(rows: list[calibrate.Calibration]) -> None:
 
 
 def test_planner_predicts_peak_memory_of_real_runs_fast():
-    """The default suite's share of the calibration: the tiny model at 4k tokens, cp=1 and cp=2."""
+    """The default suite's share of the calibration: the tiny model at 2k tokens, cp=1 and cp=2."""
     _check(calibrate.calibrate(calibrate.QUICK_RUNS, log=print))
 
 
