@@ -7,7 +7,12 @@ Training (`prepare --task qa`) and evaluation use this one function, so they for
 
 With a chat template: one user turn holding the document, then the question and an instruction; the
 assistant turn is the answer (the template's end-of-turn token included). Without one: plain text
-"<document>\\n\\nQuestion: ...\\nAnswer:" followed by " <answer><eos>".
+"<document>\\n\\nQuestion: ...\\nAnswer:" followed by " <answer><eos>", after the tokenizer's BOS
+when it adds one by default (a chat template spells its own special tokens).
+
+The document is tokenized on its own and placed between `prefix` and `suffix`; the question lives in the
+suffix only, so evaluation prefills one document once and asks every question about it
+(`longdoc.eval.prompts.Prompter`).
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-INSTRUCTION = "Answer briefly, using the document above."
+INSTRUCTION = ("Answer with the exact words from the document above, as briefly as possible (a name, a number, "
+               "a date, a short phrase), with no explanation.")
 _DOC = "\u2063LONGDOC_DOCUMENT\u2063"
 
 
@@ -48,5 +54,8 @@ def qa_parts(tokenizer: Any, question: str, answer: str | None = None, system: s
     if prompt.count(_DOC) != 1:
         raise ValueError("the chat template altered the document placeholder; cannot place the document")
     before, after = prompt.split(_DOC)
-    enc = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"] if text else []  # noqa: E731
-    return QAParts(enc(before), enc(after), enc(target))
+
+    def enc(text: str, special: bool = False) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=special, verbose=False)["input_ids"]) if text or special else []
+
+    return QAParts(enc(before, special=not use_chat_template), enc(after), enc(target))

@@ -29,12 +29,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 import longdoc
 from longdoc.hf import attention as cp_attn
-from longdoc.hf.patch import _model_name, _rope_limit, check_config, is_patched, patch, unpatch
+from longdoc.hf.patch import check_config, hf_model, is_patched, model_name, patch, rope_limit, unpatch
 from longdoc.parallel import blocks, comm, kernels
 from longdoc.parallel import layout as layouts
 from longdoc.parallel.api import STRATEGIES, ContextParallel
@@ -197,14 +197,6 @@ def register() -> None:
         AttentionInterface.register(NAME, kv_attention_forward)
 
 
-def _hf_model(model: torch.nn.Module) -> PreTrainedModel:
-    for m in model.modules():
-        if isinstance(m, PreTrainedModel):
-            return m
-    raise TypeError(f"KVSession needs a transformers PreTrainedModel (or a wrapper holding one), "
-                    f"got {type(model).__name__}")
-
-
 class KVSession:
     """A context-parallel KV-cache session over one batch of equal-length prompts (see the module docstring).
 
@@ -217,8 +209,8 @@ class KVSession:
             raise TypeError(f"cp must be a longdoc.ContextParallel, got {type(cp).__name__}")
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))}, got {strategy!r}")
-        self.model, self.cp, self.hf = model, cp, _hf_model(model)
-        self.name = _model_name(self.hf)
+        self.model, self.cp, self.hf = model, cp, hf_model(model)
+        self.name = model_name(self.hf)
         check_config(self.hf.config, self.name)
         self.state = _State(cp, strategy, self.name)
         self.cache = ShardedCache()
@@ -376,7 +368,7 @@ class KVSession:
                              f"with the same token ids")
 
     def _check_rope(self, length: int) -> None:
-        limit = _rope_limit(self.hf.config)
+        limit = rope_limit(self.hf.config)
         if limit is not None and length > limit[1]:
             raise cp_attn.refuse(self.name, f"RoPE scaling {limit[0]!r} at {length} tokens (beyond its "
                                  f"{limit[1]}-token threshold)", "it picks frequencies from the largest position "

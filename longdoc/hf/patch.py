@@ -37,7 +37,8 @@ __all__ = ["patch", "unpatch", "is_patched", "UnsupportedFeatureError", "CPInput
 _SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention", "dense", "sparse", "moe"}
 
 
-def _hf_model(model: torch.nn.Module):
+def hf_model(model: torch.nn.Module):
+    """The transformers PreTrainedModel in `model` (itself, or the one inside e.g. a PEFT wrapper)."""
     from transformers import PreTrainedModel
 
     for m in model.modules():  # the model itself first, then e.g. the model inside a PEFT wrapper
@@ -47,7 +48,8 @@ def _hf_model(model: torch.nn.Module):
                     f"got {type(model).__name__}")
 
 
-def _model_name(hf) -> str:
+def model_name(hf) -> str:
+    """How errors name a model: its class and, when known, where it was loaded from."""
     path = getattr(hf.config, "_name_or_path", "") or ""
     return f"{type(hf).__name__} ({path})" if path else type(hf).__name__
 
@@ -85,7 +87,7 @@ def check_config(config, name: str) -> None:
                          "set config.output_router_logits = False")
 
 
-def _rope_limit(config) -> tuple[str, int] | None:
+def rope_limit(config) -> tuple[str, int] | None:
     """(rope_type, length limit) for RoPE scalings that pick frequencies from the largest position id in
     the call: under CP each rank sees different positions, so they agree only below the limit."""
     for c in _configs(config):
@@ -179,7 +181,7 @@ def _call_problem(handle: CPHandle, call: dict) -> tuple[str, str] | None:
     if call.get("output_router_logits"):
         return ("the MoE router auxiliary loss (output_router_logits=True)",
                 "it is a non-linear function of whole-sequence router statistics; call without it")
-    limit = _rope_limit(handle.config)
+    limit = rope_limit(handle.config)
     if limit is not None and global_len > limit[1]:
         return (f"RoPE scaling {limit[0]!r} at {global_len} tokens (beyond its {limit[1]}-token threshold)",
                 "this scaling picks frequencies from the largest position id each rank sees, which differs "
@@ -271,10 +273,10 @@ def patch(model: torch.nn.Module, cp: ContextParallel, *, strategy: str = "ring"
         raise TypeError(f"cp must be a longdoc.ContextParallel, got {type(cp).__name__}")
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))}, got {strategy!r}")
-    hf = _hf_model(model)
+    hf = hf_model(model)
     if is_patched(hf):
         unpatch(hf)
-    name = _model_name(hf)
+    name = model_name(hf)
     check_config(hf.config, name)
     if not type(hf)._can_set_attn_implementation():
         raise refuse(name, "attention code that does not go through transformers' AttentionInterface",
@@ -300,12 +302,12 @@ def patch(model: torch.nn.Module, cp: ContextParallel, *, strategy: str = "ring"
 
 
 def is_patched(model: torch.nn.Module) -> bool:
-    return getattr(_hf_model(model), "_longdoc_cp", None) is not None
+    return getattr(hf_model(model), "_longdoc_cp", None) is not None
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     """Undo `patch`: restore the previous attention implementation and loss, remove hooks and handles."""
-    hf = _hf_model(model)
+    hf = hf_model(model)
     handle = getattr(hf, "_longdoc_cp", None)
     if handle is None:
         return model

@@ -26,9 +26,9 @@ __all__ = ["prefill", "gather_positions", "target_logprobs", "span_logprobs"]
 
 
 def _check_patched(model: torch.nn.Module, cp: ContextParallel) -> None:
-    from longdoc.hf.patch import _hf_model
+    from longdoc.hf.patch import hf_model
 
-    handle = getattr(_hf_model(model), "_longdoc_cp", None)
+    handle = getattr(hf_model(model), "_longdoc_cp", None)
     if handle is None:
         raise ValueError("prefill needs a model patched for CP: call longdoc.patch(model, cp) first")
     if handle.cp is not cp:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from longdoc.corpus.qa_format import qa_parts
 from longdoc.eval.needle import plant
 from longdoc.eval.prompts import INSTRUCTION, Prompter
 from longdoc.models import load_tokenizer
@@ -21,19 +22,31 @@ def test_chat_prompt_is_prefix_plus_suffix(tok):
     assert p.chat
     q = "When was the hearing held?"
     ids = p.prefix(DOC) + p.suffix(q)
-    whole = tok.apply_chat_template([{"role": "user", "content": f"{INSTRUCTION}\n\n{DOC}\n\nQuestion: {q}"}],
+    whole = tok.apply_chat_template([{"role": "user", "content": f"{DOC}\n\nQuestion: {q}\n{INSTRUCTION}"}],
                                     tokenize=False, add_generation_prompt=True)
     assert tok.decode(ids) == whole
     # The document prefix does not depend on the question: one prefill serves them all.
     assert p.prefix(DOC) == Prompter(tok).prefix(DOC)
-    assert tok.decode(p.suffix("Who appeared?")).startswith(" Who appeared?")
+    assert tok.decode(p.suffix("Who appeared?")).startswith("\n\nQuestion: Who appeared?\n")
+    assert tok.decode(p.answer("March 3, 2021")) == "March 3, 2021<|im_end|>"
     assert 2 in p.stop_ids()  # <|im_end|>
+
+
+def test_prompt_is_the_training_format(tok):
+    """Evaluation asks exactly what `prepare --task qa` trains on: same ids around the same document ids."""
+    q, a = "When was the hearing held?", "March 3, 2021"
+    for chat in (True, False):
+        parts = qa_parts(tok, q, a, use_chat_template=chat)
+        doc_ids = tok(DOC, add_special_tokens=False)["input_ids"]
+        p = Prompter(tok, chat=chat)
+        assert p.prefix(DOC) + p.suffix(q) + p.answer(a) == parts.prefix + doc_ids + parts.suffix + parts.answer
 
 
 def test_plain_prompt(tok):
     p = Prompter(tok, chat=False)
     text = tok.decode(p.prefix(DOC) + p.suffix("Who appeared?"), skip_special_tokens=True)
-    assert text == f"{INSTRUCTION}\n\n{DOC}\n\nQuestion: Who appeared?\nAnswer:"
+    assert text == f"{DOC}\n\nQuestion: Who appeared?\nAnswer:"
+    assert tok.decode(p.answer("Counsel")) == " Counsel" + tok.eos_token
 
 
 def test_decode_answer_stops_and_takes_first_line(tok):
