@@ -42,7 +42,7 @@ DEVICES: dict[str, Device] = {
                    ib_gbps=25.0, compute_bytes=2, runtime_gib=1.5, slack=0.10),
     # One gloo rank with 1 thread. runtime_gib: RSS of a training process before its first step, less its
     # weights (Python, torch, transformers, accelerate, gloo), measured on this project's machines; assumes
-    # freed memory goes back to the OS (longdoc.bench.runs.return_freed_memory).
+    # freed memory goes back to the OS (longdoc.train.metrics.return_freed_memory).
     # peak_tflops: the ~70 GFLOP/s per core that the CPU flash-attention kernels reach (DESIGN.md).
     "cpu": Device(name="CPU process (fp32, gloo)", memory_gib=16.0, peak_tflops=0.07, hbm_gbps=10.0,
                   nvlink_gbps=0.6, ib_gbps=0.6, compute_bytes=4, runtime_gib=0.45, slack=0.0, achieved=True),

@@ -8,19 +8,20 @@ Each run starts fresh processes (`longdoc.spawn.run_local`), so a rank's peak re
 transformers, the model load, every step. Runs use `longdoc.train.loop.train` itself, with random
 tokens and nothing written but a scratch folder.
 
-Ranks first call `return_freed_memory()` (TrainRun.release_memory, on by default): with glibc's
-defaults a training process keeps 0.5-2 GiB of freed tensor memory that no formula predicts (see there).
+Ranks return freed memory to the OS at once (the trainer's `train.release_freed_memory`, on by default;
+TrainRun.release_memory=False measures glibc's defaults, under which a training process keeps 0.5-2 GiB
+of freed tensor memory that no formula predicts: `longdoc.train.metrics.return_freed_memory`).
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import resource
 import tempfile
 from dataclasses import asdict, dataclass, field
 
 from longdoc.spawn import run_local
+from longdoc.train.metrics import return_freed_memory  # noqa: F401  (re-exported for the benchmarks)
 
 # The benchmarks' tiny model: small enough for 32k tokens on two cores, with the real tokenizer's
 # vocabulary so the loss chunks weigh what they weigh for the 135M model.
@@ -40,7 +41,7 @@ class TrainRun:
     loss_chunk: int = 1024
     threads: int | None = None  # per rank; None: total_threads // cp
     total_threads: int = 2
-    release_memory: bool = True  # return_freed_memory() in every rank before anything is allocated
+    release_memory: bool = True  # the trainer's train.release_freed_memory (False: glibc's defaults)
 
     def __post_init__(self):
         if self.model not in MODELS:
@@ -70,7 +71,7 @@ class TrainRun:
             "data": {"path": "random", "seq_len": self.seq_len, "random_size": self.steps},
             "optim": {"warmup_steps": 0},
             "train": {"steps": self.steps, "batch_size": 1, "activation_checkpointing": self.checkpointing,
-                      "loss_chunk_tokens": self.loss_chunk},
+                      "loss_chunk_tokens": self.loss_chunk, "release_freed_memory": self.release_memory},
             "checkpoint": {"every": 0, "at_end": False, "export": False},
             "log": {"progress": False, "tensorboard": False, "plot": False},
         }
@@ -92,27 +93,7 @@ class RunResult:
         return d
 
 
-def return_freed_memory() -> bool:
-    """Make glibc give freed memory back to the OS at once; True where it applied (glibc only).
-
-    By default glibc raises its mmap threshold to the size of the largest block freed so far (up to 32 MiB)
-    and keeps freed heap memory for reuse. A training step frees gigabytes of activations in blocks of a
-    few MiB, so the process keeps 0.5-2 GiB more than its live tensors (measured with SmolLM2-135M at 1k-4k
-    tokens), an amount that depends on allocation order. A fixed 128 KiB threshold makes every larger
-    tensor its own mapping, unmapped when freed: the resident size then follows the live tensors. The
-    price is a page fault per fresh page, a few percent of a CPU step.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's mallopt parameter numbers
-    return bool(libc.mallopt(m_mmap_threshold, 128 * 1024)) and bool(libc.mallopt(m_trim_threshold, 128 * 1024))
-
-
-def _rank(rank: int, world_size: int, recipe: dict, release_memory: bool) -> dict:
-    if release_memory:
-        return_freed_memory()
+def _rank(rank: int, world_size: int, recipe: dict) -> dict:
     # run_local has joined the gloo group; Accelerate reads the launcher's variables.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500",
@@ -133,7 +114,7 @@ def _rank(rank: int, world_size: int, recipe: dict, release_memory: bool) -> dic
 def run_steps(run: TrainRun, deadline: float = 3600) -> RunResult:
     """Train `run.steps` steps on `run.cp` fresh local ranks and report peak memory and speed."""
     with tempfile.TemporaryDirectory(prefix="longdoc-bench-") as tmp:
-        per_rank = run_local(run.cp, _rank, run.recipe(tmp), run.release_memory, threads=run.rank_threads,
+        per_rank = run_local(run.cp, _rank, run.recipe(tmp), threads=run.rank_threads,
                              deadline=deadline,
                              pg_timeout=max(600, deadline))
     steps = len(per_rank[0]["step_s"])

@@ -169,7 +169,7 @@ def to_markdown(result: dict) -> str:
         lines += ["", f"#### Planner vs measured peak memory ({ok} of {len(rows)} runs within "
                       f"{calibrate.TOLERANCE:.0%})", "",
                   "Peak RSS over each rank's whole life (largest rank), ranks returning freed memory to the OS "
-                  "(`longdoc.bench.runs.return_freed_memory`).", "",
+                  "(`longdoc.train.metrics.return_freed_memory`).", "",
                   "| run | planner GiB | measured peak RSS GiB | error |", "|---|---:|---:|---:|"]
         lines += [f"| {r['run']} | {r['predicted_gib']:.3f} | {r['measured_gib']:.3f} | {r['error']:+.1%} |"
                   for r in rows]

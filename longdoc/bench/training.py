@@ -3,7 +3,7 @@
 All three run the real trainer (`runs.run_steps`) in fresh processes and put the planner's prediction next
 to each measurement, so every run is also a calibration point.
   throughput  tokens/s of steady-state steps, cp=1 (1 process x T threads) vs cp=2 (2 ranks x T/2 threads)
-              at equal total cores, for the tiny and the 135M model, with glibc's default allocator;
+              at equal total cores, for the tiny and the 135M model;
   memory      per-rank peak RSS at one total length for cp = 1, 2, 4: the activation part falls like 1/cp,
               the model state and the runtime stay;
   longest     the longest sequence (a multiple of `step`) whose 3-step run stays under a per-process cap, for
@@ -23,9 +23,9 @@ from longdoc.bench.runs import TrainRun, run_steps
 
 @dataclass(kw_only=True)
 class TrainBenchConfig:
-    # Speed runs keep glibc's default allocator (what `longdoc train` gets); memory runs release freed memory.
+    # Every run is configured as `longdoc train` runs by default (freed memory returned to the OS on CPU).
     throughput: tuple[TrainRun, ...] = tuple(
-        TrainRun(model=m, cp=cp, seq_len=n, steps=3, release_memory=False)
+        TrainRun(model=m, cp=cp, seq_len=n, steps=3)
         for m, n in (("tiny", 16384), ("135m", 4096)) for cp in (1, 2))
     memory_run: TrainRun = TrainRun(model="tiny", seq_len=16384, checkpointing=False)
     memory_cps: tuple[int, ...] = (1, 2, 4)
@@ -37,7 +37,7 @@ class TrainBenchConfig:
 
 
 QUICK = TrainBenchConfig(
-    throughput=tuple(TrainRun(model="tiny", cp=cp, seq_len=4096, steps=2, release_memory=False) for cp in (1, 2)),
+    throughput=tuple(TrainRun(model="tiny", cp=cp, seq_len=4096, steps=2) for cp in (1, 2)),
     memory_run=TrainRun(model="tiny", seq_len=4096, checkpointing=False), memory_cps=(1, 2),
     cap_run=TrainRun(model="tiny", seq_len=2048, checkpointing=False), cap_gib=1.5, cap_step=2048, cap_max_probes=2,
 )

@@ -131,6 +131,9 @@ class TrainConfig:
     comm_timeout: float = 600.0  # seconds any collective may wait before the run fails
     on_nonfinite: str = "skip"  # a NaN/Inf loss or gradient: "skip" the step (counted) or "abort"
     max_skipped_steps: int = 10  # abort after this many skipped steps in a row
+    # CPU (glibc): hand freed tensor memory back to the OS at once instead of keeping 0.5-2 GiB of it per
+    # process (a few percent of step time; longdoc.train.metrics.return_freed_memory)
+    release_freed_memory: bool = True
 
     def __post_init__(self):
         _check(self.steps > 0, "train.steps", f"must be positive, got {self.steps}")

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from longdoc.train.config import Recipe, RecipeError
+from longdoc.train.metrics import return_freed_memory
 
 CPU_LAUNCH = ("accelerate launch --config_file recipes/accelerate/cpu-2proc.yaml -m longdoc train RECIPE "
               "(or: accelerate launch --multi_gpu --num_processes N -m longdoc train RECIPE)")
@@ -115,6 +116,8 @@ def start(recipe: Recipe, log_with: list | None = None, wrap_classes: list[str] 
     from longdoc.parallel.api import ContextParallel
 
     cuda = torch.cuda.is_available()
+    if not cuda and recipe.train.release_freed_memory:
+        return_freed_memory()  # first, so the model load and every step run under it
     expected = launched_world_size()
     dp, cp = check_layout(recipe, expected, cuda)  # before joining anything: same error on every rank
     mixed = recipe.train.mixed_precision
