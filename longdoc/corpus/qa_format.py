@@ -5,7 +5,7 @@ Training (`prepare --task qa`) and evaluation use this one function, so they for
     parts = qa_parts(tokenizer, "What was the potassium on 03/14/2023, in mmol/L?", "5.8")
     ids = parts.prefix + document_ids + parts.suffix + parts.answer    # loss on parts.answer only
 
-With a chat template: one user turn holding the document, then the question and an instruction; the
+With a chat template: one user turn holding an instruction, the document, then the question; the
 assistant turn is the answer (the template's end-of-turn token included). Without one: plain text
 "<document>\\n\\nQuestion: ...\\nAnswer:" followed by " <answer><eos>", after the tokenizer's BOS
 when it adds one by default (a chat template spells its own special tokens).
@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-INSTRUCTION = ("Answer with the exact words from the document above, as briefly as possible (a name, a number, "
-               "a date, a short phrase), with no explanation.")
+INSTRUCTION = ("Read the document below and answer the question after it. Answer with the exact words from the "
+               "document, as briefly as possible (a name, a number, a date, a short phrase), with no explanation.")
 _DOC = "\u2063LONGDOC_DOCUMENT\u2063"
 
 
@@ -35,7 +35,7 @@ class QAParts:
 def qa_parts(tokenizer: Any, question: str, answer: str | None = None, system: str | None = None,
              use_chat_template: bool | None = None) -> QAParts:
     """Token ids around a document for one question (`use_chat_template=None`: when the tokenizer has one)."""
-    user = f"{_DOC}\n\nQuestion: {question}\n{INSTRUCTION}"
+    user = f"{INSTRUCTION}\n\n{_DOC}\n\nQuestion: {question}"
     if use_chat_template is None:
         use_chat_template = bool(getattr(tokenizer, "chat_template", None))
     if use_chat_template:
@@ -49,7 +49,7 @@ def qa_parts(tokenizer: Any, question: str, answer: str | None = None, system: s
                                  "use use_chat_template=False (plain text format) for this tokenizer")
             target = full[len(prompt):].rstrip()
     else:
-        prompt = (f"{system}\n\n" if system else "") + user.replace(f"\n{INSTRUCTION}", "") + "\nAnswer:"
+        prompt = (f"{system}\n\n" if system else "") + user.replace(f"{INSTRUCTION}\n\n", "") + "\nAnswer:"
         target = "" if answer is None else f" {answer}" + (tokenizer.eos_token or "")
     if prompt.count(_DOC) != 1:
         raise ValueError("the chat template altered the document placeholder; cannot place the document")

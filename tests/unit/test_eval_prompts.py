@@ -22,12 +22,12 @@ def test_chat_prompt_is_prefix_plus_suffix(tok):
     assert p.chat
     q = "When was the hearing held?"
     ids = p.prefix(DOC) + p.suffix(q)
-    whole = tok.apply_chat_template([{"role": "user", "content": f"{DOC}\n\nQuestion: {q}\n{INSTRUCTION}"}],
+    whole = tok.apply_chat_template([{"role": "user", "content": f"{INSTRUCTION}\n\n{DOC}\n\nQuestion: {q}"}],
                                     tokenize=False, add_generation_prompt=True)
     assert tok.decode(ids) == whole
     # The document prefix does not depend on the question: one prefill serves them all.
     assert p.prefix(DOC) == Prompter(tok).prefix(DOC)
-    assert tok.decode(p.suffix("Who appeared?")).startswith("\n\nQuestion: Who appeared?\n")
+    assert tok.decode(p.suffix("Who appeared?")).startswith("\n\nQuestion: Who appeared?<|im_end|>")
     assert tok.decode(p.answer("March 3, 2021")) == "March 3, 2021<|im_end|>"
     assert 2 in p.stop_ids()  # <|im_end|>
 
