@@ -174,7 +174,8 @@ def to_markdown(result: dict) -> str:
         lines += [f"| {r['run']} | {r['predicted_gib']:.3f} | {r['measured_gib']:.3f} | {r['error']:+.1%} |"
                   for r in rows]
         if raw:
-            lines += ["", "With glibc's default allocator (the speed runs) the same processes hold freed memory: "
+            lines += ["", "With glibc's default allocator (train.release_freed_memory=false) the processes hold freed "
+                          "memory: "
                           + "; ".join(f"{r['run']}: {r['measured_gib']:.2f} GiB measured vs {r['predicted_gib']:.2f} "
                                       f"planned" for r in raw) + "."]
     if "gpu" in s:
