@@ -47,7 +47,8 @@ def _inputs(cfg: AttentionBenchConfig):
     return q, k, v, dout
 
 
-def _timed(step, repeats: int, sync=lambda: None) -> list[float]:
+def timed(step, repeats: int, sync=lambda: None) -> list[float]:
+    """Wall times of `repeats` calls of `step` after one warm-up call, `sync` before and after each."""
     times = []
     for i in range(repeats + 1):
         sync()
@@ -66,7 +67,7 @@ def _single(rank: int, world_size: int, cfg: AttentionBenchConfig) -> list[float
         out = F.scaled_dot_product_attention(q, k, v, is_causal=cfg.causal, enable_gqa=True)
         torch.autograd.grad(out, (q, k, v), dout)
 
-    return _timed(step, cfg.repeats)
+    return timed(step, cfg.repeats)
 
 
 def _cp(rank: int, world_size: int, cfg: AttentionBenchConfig) -> dict[str, list[float]]:
@@ -83,7 +84,7 @@ def _cp(rank: int, world_size: int, cfg: AttentionBenchConfig) -> dict[str, list
             out = longdoc.attention(q, k, v, cp, causal=cfg.causal, strategy=strategy)  # noqa: B023
             torch.autograd.grad(out, (q, k, v), dout)  # noqa: B023
 
-        results[f"{layout}/{strategy}"] = _timed(step, cfg.repeats, sync=dist.barrier)
+        results[f"{layout}/{strategy}"] = timed(step, cfg.repeats, sync=dist.barrier)
     return results
 
 

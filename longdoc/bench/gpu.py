@@ -17,12 +17,12 @@ The functions take any device and dtype, so the CPU tests run them at toy sizes.
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
+from longdoc.bench.attention import timed
 from longdoc.parallel import kernels
 from longdoc.parallel import layout as layouts
 from longdoc.parallel.ring import ring_backward, ring_forward
@@ -66,15 +66,7 @@ def attention_flops(seq_len: int, heads: int, head_dim: int) -> float:
 
 def _timed(fn, repeats: int, device: torch.device) -> float:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times = []
-    for i in range(repeats + 1):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        if i:  # the first call warms up kernels and the allocator
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(timed(fn, repeats, sync))
 
 
 def _inputs(cfg: KernelBenchConfig, n: int, device: torch.device):
