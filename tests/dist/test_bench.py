@@ -31,6 +31,7 @@ def test_planner_predicts_peak_memory_of_real_runs_fast():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3 * 3600)  # eight fresh training runs, the 135M ones at 4k-8k tokens
 def test_planner_predicts_peak_memory_of_real_runs():
     """Acceptance: >= 6 CPU runs (tiny and 135M, cp 1/2, 4k-32k tokens) each within 15% of the measured peak."""
     rows = calibrate.calibrate(calibrate.DEFAULT_RUNS, log=print)
@@ -39,6 +40,7 @@ def test_planner_predicts_peak_memory_of_real_runs():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_bench_quick_writes_json_markdown_and_plots(tmp_path):
     from longdoc.cli import main
 
