@@ -23,8 +23,9 @@ $(STAMP): pyproject.toml Makefile
 test: install
 	$(PY) -m pytest -q tests
 
+# Slow tests are whole training runs: 90 minutes each unless a test's own timeout mark says otherwise.
 test-slow: install
-	$(PY) -m pytest -q -m slow tests
+	$(PY) -m pytest -q -m slow --timeout 5400 tests
 
 lint: install
 	$(PY) -m ruff check longdoc tests
