@@ -67,6 +67,7 @@ def memory(result: dict, out: Path) -> Path:
     ax.set(xscale="log", xlabel="cp (ranks sharing one sequence)", ylabel="GiB per rank",
            title=f"peak memory vs cp at {rows[0]['seq_len']:,} tokens")
     ax.set_xticks(cps, [str(c) for c in cps])
+    ax.minorticks_off()
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     return _save(fig, out / "memory_vs_cp.png")

@@ -18,6 +18,7 @@ import json
 import os
 import platform
 import re
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from longdoc.bench.gpu import KernelBenchConfig
 from longdoc.bench.runs import TrainRun
 from longdoc.bench.training import Measured, TrainBenchConfig
 
+OTHERS_LIMIT = 0.1  # share of the cores other processes may use before timings are flagged as disturbed
 SECTIONS = ("attention", "train", "memory", "longest", "calibration", "gpu")
 README_START, README_END = "<!-- bench:start -->", "<!-- bench:end -->"
 
@@ -73,6 +75,27 @@ def _load() -> float:
         return -1.0
 
 
+def _cpu_seconds() -> tuple[float, float] | None:
+    """(busy CPU seconds of the whole machine, CPU seconds of this process and its reaped children)."""
+    try:
+        ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq = ticks
+    t = os.times()
+    return ((user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK"),
+            t.user + t.system + t.children_user + t.children_system)
+
+
+def _others_cores(before: tuple[float, float] | None, wall_s: float) -> float | None:
+    """Average cores that processes outside this benchmark used since `before` (the load average cannot
+    tell: it counts the benchmark's own ranks)."""
+    after = _cpu_seconds()
+    if before is None or after is None or wall_s <= 0:
+        return None
+    return max(0.0, (after[0] - before[0]) - (after[1] - before[1])) / wall_s
+
+
 def run(cfg: SuiteConfig, log=print) -> dict:
     """Run the sections, write bench.json, bench.md and the PNGs into cfg.out; return the results."""
     import torch
@@ -92,8 +115,10 @@ def run(cfg: SuiteConfig, log=print) -> dict:
             measured[run] = training.measure(run, log)
         return measured[run]
 
+    result["others_cores"] = {}
     for name in cfg.sections:
         log(f"[bench] {name}")
+        cpu_before, wall_before = _cpu_seconds(), time.perf_counter()
         if name == "attention":
             res = attention.sweep(list(cfg.attention_lengths), cfg.attention, log)
             result["plots"].append(str(plots.attention(res, out)))
@@ -121,6 +146,7 @@ def run(cfg: SuiteConfig, log=print) -> dict:
             res = gpu.run(cfg.gpu, log)
             result["plots"].append(str(plots.kernels(res, out)))
         result["sections"][name] = res
+        result["others_cores"][name] = _others_cores(cpu_before, time.perf_counter() - wall_before)
     result["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
     result["load_end"] = _load()
     (out / "bench.json").write_text(json.dumps(result, indent=2, default=str))
@@ -140,15 +166,19 @@ def to_markdown(result: dict) -> str:
 
     m = result["machine"]
     cpus = m.get("cpus") or 1
-    loaded = max(result.get("load_start", 0), result.get("load_end", 0)) > 0.5 * cpus
+    others = {k: v for k, v in (result.get("others_cores") or {}).items() if v is not None}
     lines = [f"Machine: {m.get('cpu')}, {cpus} cores, {m.get('memory_gib', '?')} GiB"
              + (f", {m['gpu']}" if m.get("gpu") else "") + f"; torch {m['torch']}, Python {m['python']}. "
              f"Run {result['started']} to {result.get('finished', '?')}, load average "
              f"{result.get('load_start', -1):.1f} at start, {result.get('load_end', -1):.1f} at the end."]
-    if loaded:
-        lines.append("")
-        lines.append(f"**Timings below were taken on a loaded machine** (load average above {cpus / 2:g} on "
-                     f"{cpus} cores): times, tokens/s, E and Z are disturbed; memory peaks are not.")
+    busy = [f"{k} ({v:.2f} cores)" for k, v in others.items() if v > OTHERS_LIMIT * cpus]
+    if others and not busy:
+        lines += ["", f"Nothing else ran: other processes used under {OTHERS_LIMIT:.0%} of the cores in every section "
+                      "(" + ", ".join(f"{k} {v:.2f}" for k, v in others.items()) + " cores on average)."]
+    elif busy or (not others and result.get("load_start", 0) > 0.5 * cpus):
+        where = "during " + ", ".join(busy) if busy else f"(load average {result['load_start']:.1f} at start)"
+        lines += ["", f"**Other processes used the CPU {where}**: times, tokens/s, E and Z there are disturbed; "
+                      "memory peaks are not."]
     s = result["sections"]
     if "attention" in s:
         lines += ["", "#### Attention: CP efficiency, zigzag vs contiguous, ring vs all-gather", "",
