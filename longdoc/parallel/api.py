@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -12,7 +13,15 @@ from longdoc.parallel import layout as layouts
 from longdoc.parallel.allgather import allgather_attention
 from longdoc.parallel.ring import ring_attention
 
-STRATEGIES = ("ring", "allgather")
+Strategy = Literal["ring", "allgather"]
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
+
+
+def check_strategy(strategy: str) -> str:
+    """The one place a CP strategy name is validated."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))}, got {strategy!r}")
+    return strategy
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -154,8 +163,7 @@ def _problem(meta: list[int], layout: str, world_size: int) -> str | None:
 
 
 def _validate(q, k, v, cp: ContextParallel, causal: bool, strategy: str) -> None:
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))}, got {strategy!r}")
+    check_strategy(strategy)
     meta = _meta(q, k, v, causal, strategy)
     if cp.size == 1 or not cp.check_agreement:
         metas = [meta]

@@ -9,9 +9,17 @@ Pure functions of (rank, world_size); `shard` and `unshard` are exact inverses.
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 
-LAYOUTS = ("zigzag", "contiguous")
+Layout = Literal["zigzag", "contiguous"]
+LAYOUTS: tuple[str, ...] = get_args(Layout)
+
+
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of `multiple` that is >= n."""
+    return -(-n // multiple) * multiple
 
 
 def check_layout(layout: str) -> str:
@@ -37,7 +45,7 @@ def chunk_ids(layout: str, rank: int, world_size: int) -> tuple[int, ...]:
 def check_divisible(length: int, layout: str, world_size: int, what: str = "sequence length") -> None:
     multiple = num_chunks(layout, world_size)
     if length % multiple:
-        padded = -(-length // multiple) * multiple
+        padded = round_up(length, multiple)
         raise ValueError(
             f"{what} {length} is not divisible by {multiple} ({layout} layout over {world_size} ranks "
             f"needs a multiple of {multiple}); pad it to {padded}, or use cp.shard_batch, which pads internally"
