@@ -13,6 +13,7 @@ import sys
 # verb module -> it registers one or more sub-commands on the parser.
 VERB_MODULES: list[str] = [
     "longdoc.envinfo",
+    "longdoc.plan.cli",
     "longdoc.bench.cli",
     "longdoc.hf.verify",
     "longdoc.train.cli",

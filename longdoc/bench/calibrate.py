@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from longdoc.bench.hardware import GIB
-from longdoc.bench.memory import MemoryEstimate, Setup, estimate
 from longdoc.bench.runs import MODELS, TINY, RunResult, TrainRun, run_steps
-from longdoc.bench.shapes import ModelShape, model_shape, shape_from_config
+from longdoc.plan.hardware import GIB
+from longdoc.plan.memory import MemoryEstimate, Setup, estimate
+from longdoc.plan.shapes import ModelShape, model_shape, shape_from_config
 
 TOLERANCE = 0.15
 

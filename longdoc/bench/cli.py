@@ -1,9 +1,11 @@
-"""`longdoc bench`: benchmarks measured side by side in one run (JSON, markdown, PNG plots); and `longdoc plan`.
+"""`longdoc bench`: benchmarks measured side by side in one run (JSON, markdown, PNG plots).
 
     longdoc bench                                   # every section (make bench), results in runs/bench/
     longdoc bench attention --seq-len 16384         # one length: E and Z as in issue 2
     longdoc bench memory longest --quick            # some sections at smoke-test sizes
     longdoc bench --readme README.md                # also refresh the README's performance table
+
+`longdoc plan` (the estimator these benchmarks calibrate) is its own verb: longdoc/plan/cli.py.
 """
 
 from __future__ import annotations
@@ -13,17 +15,15 @@ import dataclasses
 import json
 import os
 
+from longdoc.bench.sections import SECTIONS
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from longdoc.bench import plan_cli
-
-    plan_cli.add_parser(sub)  # `longdoc plan` lives with the benchmarks that calibrate it
-    sections = ("attention", "train", "memory", "longest", "calibration", "gpu")  # == suite.SECTIONS (no import)
     p = sub.add_parser("bench", help="run benchmarks (markdown table + JSON + PNG plots)",
                        description="Benchmarks measured side by side in one run; results saved as JSON, markdown "
-                                   "and PNG plots. Sections: " + ", ".join(sections) + " (gpu only with CUDA).")
+                                   "and PNG plots. Sections: " + ", ".join(SECTIONS) + " (gpu only with CUDA).")
     p.add_argument("sections", nargs="*", default=[], metavar="SECTION",
-                   help=f"which sections (default: all): {', '.join(sections)}")
+                   help=f"which sections (default: all): {', '.join(SECTIONS)}")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run of every code path")
     p.add_argument("--seq-len", type=int, default=None,
                    help="attention at this one length only (prints E and Z); default: the sweep --lengths")
@@ -43,10 +43,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _main(args: argparse.Namespace) -> int:
     from longdoc.bench import suite
 
-    sections = tuple(args.sections) or suite.SECTIONS
-    unknown = [s for s in sections if s not in suite.SECTIONS]
+    sections = tuple(args.sections) or SECTIONS
+    unknown = [s for s in sections if s not in SECTIONS]
     if unknown:
-        print(f"longdoc bench: unknown section(s) {unknown}; choose among {', '.join(suite.SECTIONS)}")
+        print(f"longdoc bench: unknown section(s) {unknown}; choose among {', '.join(SECTIONS)}")
         return 2
     if sections == ("attention",) and args.seq_len:
         return _single_attention(args)

@@ -21,7 +21,6 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 
 from longdoc.spawn import run_local
-from longdoc.train.metrics import return_freed_memory  # noqa: F401  (re-exported for the benchmarks)
 
 # The benchmarks' tiny model: small enough for 32k tokens on two cores, with the real tokenizer's
 # vocabulary so the loss chunks weigh what they weigh for the 135M model.

@@ -23,15 +23,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from longdoc.bench import attention, calibrate, plots, training
+from longdoc.bench import attention, calibrate, plots, train_sections
 from longdoc.bench.attention import AttentionBenchConfig
 from longdoc.bench.gpu import KernelBenchConfig
-from longdoc.bench.hardware import machine_memory_gib
 from longdoc.bench.runs import TrainRun
-from longdoc.bench.training import Measured, TrainBenchConfig
+from longdoc.bench.sections import SECTIONS
+from longdoc.bench.train_sections import Measured, TrainBenchConfig
+from longdoc.plan.hardware import machine_memory_gib
 
 OTHERS_LIMIT = 0.1  # share of the cores other processes may use before timings are flagged as disturbed
-SECTIONS = ("attention", "train", "memory", "longest", "calibration", "gpu")
 README_START, README_END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 
@@ -49,7 +49,7 @@ class SuiteConfig:
 def quick() -> SuiteConfig:
     """Small sizes: every section's code path in a few minutes (smoke test, not numbers to publish)."""
     return SuiteConfig(attention=AttentionBenchConfig(repeats=1), attention_lengths=(1024, 2048),
-                       train=training.QUICK, calibration_runs=calibrate.QUICK_RUNS,
+                       train=train_sections.QUICK, calibration_runs=calibrate.QUICK_RUNS,
                        gpu=KernelBenchConfig(lengths=(4096, 16384), ranks=(2, 4), repeats=2))
 
 
@@ -113,7 +113,7 @@ def run(cfg: SuiteConfig, log=print) -> dict:
         # (keyed by the threads a rank really gets: threads=None and its resolved value are one run)
         key = dataclasses.replace(run, threads=run.rank_threads)
         if key not in measured:
-            measured[key] = training.measure(run, log)
+            measured[key] = train_sections.measure(run, log)
         return measured[key]
 
     result["others_cores"] = {}
@@ -124,13 +124,13 @@ def run(cfg: SuiteConfig, log=print) -> dict:
             res = attention.sweep(list(cfg.attention_lengths), cfg.attention, log)
             result["plots"].append(str(plots.attention(res, out)))
         elif name == "train":
-            res = [m.to_dict() for m in training.throughput(cfg.train, measure)]
+            res = [m.to_dict() for m in train_sections.throughput(cfg.train, measure)]
             result["plots"].append(str(plots.throughput(res, out)))
         elif name == "memory":
-            res = training.memory_vs_cp(cfg.train, measure)
+            res = train_sections.memory_vs_cp(cfg.train, measure)
             result["plots"].append(str(plots.memory(res, out)))
         elif name == "longest":
-            res = training.longest_under_cap(cfg.train, measure, log)
+            res = train_sections.longest_under_cap(cfg.train, measure, log)
             result["plots"].append(str(plots.longest(res, out)))
         elif name == "calibration":
             for r in cfg.calibration_runs:
@@ -187,12 +187,12 @@ def to_markdown(result: dict) -> str:
     if "train" in s:
         rows = [_from_dict(r) for r in s["train"]]
         lines += ["", "#### Training step: cp=1 vs cp=2 at equal total cores", "",
-                  training.throughput_markdown(rows)]
+                  train_sections.throughput_markdown(rows)]
     if "memory" in s:
-        lines += ["", "#### Peak memory per rank vs cp", "", training.memory_markdown(s["memory"])]
+        lines += ["", "#### Peak memory per rank vs cp", "", train_sections.memory_markdown(s["memory"])]
     if "longest" in s:
         lines += ["", "#### Longest sequence under a per-process memory cap", "",
-                  training.longest_markdown(s["longest"])]
+                  train_sections.longest_markdown(s["longest"])]
     if "calibration" in s:
         rows = [r for r in s["calibration"] if r.get("calibrated", True)]
         raw = [r for r in s["calibration"] if not r.get("calibrated", True)]

@@ -7,8 +7,9 @@ import time
 
 import pytest
 
-from longdoc.bench import calibrate, gpu, plots, suite, training
-from longdoc.bench.runs import TrainRun, return_freed_memory
+from longdoc.bench import calibrate, gpu, plots, suite, train_sections
+from longdoc.bench.runs import TrainRun
+from longdoc.train.metrics import return_freed_memory
 
 
 def _fake_result(load: float = 0.1) -> dict:
@@ -144,11 +145,11 @@ def test_calibration_predictions_cover_the_acceptance_set():
 
 def test_planner_longest_is_consistent_with_predictions():
     run = TrainRun(model="tiny", seq_len=4096, checkpointing=False, cp=1)
-    n = training._predicted_longest(run, 2.0, 2048)
+    n = train_sections._predicted_longest(run, 2.0, 2048)
     assert n > 0 and n % 2048 == 0
     assert calibrate.predict(dataclasses.replace(run, seq_len=n)).total_gib <= 2.0
     assert calibrate.predict(dataclasses.replace(run, seq_len=n + 2048)).total_gib > 2.0
-    two = training._predicted_longest(dataclasses.replace(run, cp=2), 2.0, 2048)
+    two = train_sections._predicted_longest(dataclasses.replace(run, cp=2), 2.0, 2048)
     assert two > n  # halving the tokens per rank buys length
 
 

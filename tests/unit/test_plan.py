@@ -9,11 +9,11 @@ import torch
 
 import longdoc
 from longdoc import models
-from longdoc.bench.hardware import GIB
-from longdoc.bench.memory import Setup, estimate, layer_bytes_per_token
-from longdoc.bench.plan import PlanRequest, longest_fitting, plan
-from longdoc.bench.shapes import llama_formula_params, model_shape, shape_from_config
-from longdoc.bench.timing import estimate_time
+from longdoc.plan.hardware import GIB
+from longdoc.plan.memory import Setup, estimate, layer_bytes_per_token
+from longdoc.plan.planner import PlanRequest, longest_fitting, plan
+from longdoc.plan.shapes import llama_formula_params, model_shape, shape_from_config
+from longdoc.plan.timing import estimate_time
 
 PUBLISHED = {"Llama-3.1-8B": 8_030_261_248, "Llama-3.1-70B": 70_553_706_496, "Qwen2.5-7B": 7_615_616_512,
              "SmolLM2-135M": 134_515_008}
@@ -154,7 +154,7 @@ def test_plan_recommends_a_fitting_configuration():
     assert p.best.setup.cp * p.best.setup.dp == 8
     assert not any(c.fits and c.setup.cp < p.best.setup.cp
                    and c.time.tokens_per_s > p.best.time.tokens_per_s * 1.03 for c in p.candidates)
-    from longdoc.bench.report import render_plan
+    from longdoc.plan.report import render_plan
 
     text = render_plan(p)
     assert "RECOMMENDED" in text and "P*4/S = 8,030,261,248*4/8" in text

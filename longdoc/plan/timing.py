@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from longdoc.bench.hardware import Assumptions, link_gbps
-from longdoc.bench.memory import Setup
+from longdoc.plan.hardware import Assumptions, link_gbps
+from longdoc.plan.memory import Setup
 
 
 @dataclass

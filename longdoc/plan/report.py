@@ -1,9 +1,9 @@
-"""Text and markdown renderings of plans and benchmark results."""
+"""Text renderings of plans (`longdoc plan` without --json)."""
 
 from __future__ import annotations
 
-from longdoc.bench.hardware import GIB, device
-from longdoc.bench.plan import Candidate, Plan
+from longdoc.plan.hardware import GIB, device
+from longdoc.plan.planner import Candidate, Plan
 
 
 def _gib(x: float) -> str:
@@ -58,6 +58,6 @@ def render_plan(p: Plan, show_all: bool = False) -> str:
         lines.append(f"{s.cp:>3} {s.dp:>3} {s.strategy:<9} {'on' if s.checkpointing else 'off':<3} "
                      f"{c.memory.total_gib:>9.2f} {'yes' if c.fits else 'no':<4} {c.time.total:>8.2f} "
                      f"{_tokens(c.time.tokens_per_s):>10} {_tokens(c.time.tokens_per_s_per_device):>8}")
-    lines += ["", "Memory formulas: longdoc/bench/memory.py; time: longdoc/bench/timing.py (assumed efficiencies: "
+    lines += ["", "Memory formulas: longdoc/plan/memory.py; time: longdoc/plan/timing.py (assumed efficiencies: "
                   "matmul 55%, attention 30%, links 80% of peak)."]
     return "\n".join(lines)

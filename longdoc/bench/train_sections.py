@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from longdoc.bench.calibrate import compare, predict
-from longdoc.bench.hardware import GIB
 from longdoc.bench.runs import TrainRun, run_steps
+from longdoc.plan.hardware import GIB
 
 
 @dataclass(kw_only=True)

@@ -43,14 +43,14 @@ plus the runtime (CUDA context + NCCL, or the Python process) and allocator slac
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
-from longdoc.bench.hardware import GIB, Device, device
-from longdoc.bench.shapes import ModelShape, lora_params_per_layer
+from longdoc.parallel.api import Strategy, check_strategy
+from longdoc.parallel.layout import Layout, check_layout, num_chunks, round_up
+from longdoc.plan.hardware import GIB, Device, device
+from longdoc.plan.shapes import ModelShape, lora_params_per_layer
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-STRATEGIES = ("ring", "allgather")
 CATEGORIES = ("weights", "grads", "optimizer", "activations", "loss", "comm_buffers", "fsdp_buffers", "runtime",
               "slack")
 
@@ -64,8 +64,8 @@ class Setup:
     cp: int = 1
     dp: int = 1
     micro_batch: int = 1
-    strategy: str = "ring"
-    layout: str = "zigzag"
+    strategy: Strategy = "ring"
+    layout: Layout = "zigzag"
     checkpointing: bool = True
     loss_chunk: int | None = 1024  # None: no chunking (the whole local sequence's logits at once)
     lora: bool = False
@@ -78,10 +78,8 @@ class Setup:
 
     def __post_init__(self):
         device(self.device)
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
-        if self.layout not in ("zigzag", "contiguous"):
-            raise ValueError(f"layout must be 'zigzag' or 'contiguous', got {self.layout!r}")
+        check_strategy(self.strategy)
+        check_layout(self.layout)
         if min(self.seq_len, self.cp, self.dp, self.micro_batch) < 1:
             raise ValueError("seq_len, cp, dp and micro_batch must be positive")
         if self.loss_chunk is not None and self.loss_chunk < 1:
@@ -117,8 +115,7 @@ class Setup:
 
     @property
     def padded_len(self) -> int:
-        multiple = 2 * self.cp if self.layout == "zigzag" else self.cp
-        return math.ceil(self.seq_len / multiple) * multiple
+        return round_up(self.seq_len, num_chunks(self.layout, self.cp))
 
     @property
     def tokens(self) -> int:
@@ -344,5 +341,5 @@ def _notes(s: Setup) -> list[str]:
                      f"model.rope_type=yarn and a rope_factor")
     if s.padded_len != s.seq_len:
         notes.append(f"the sequence is padded from {s.seq_len} to {s.padded_len} tokens (a multiple of "
-                     f"{s.padded_len // (s.padded_len // (2 * s.cp if s.layout == 'zigzag' else s.cp))})")
+                     f"{num_chunks(s.layout, s.cp)})")
     return notes

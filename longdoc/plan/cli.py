@@ -3,7 +3,7 @@
     longdoc plan --model Llama-3.1-8B --seq-len 131072 --gpus 8 --gpu h100
     longdoc plan --model SmolLM2-135M-Instruct --seq-len 32768 --gpus 2 --gpu cpu --memory-gib 8
 
-Formulas: longdoc/bench/memory.py and timing.py (README "Planning" works an example by hand).
+Formulas: longdoc/plan/memory.py and timing.py (README "Planning" works an example by hand).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from longdoc.bench.hardware import DEVICES, INTERCONNECTS
+    from longdoc.plan.hardware import DEVICES, INTERCONNECTS
 
     p = sub.add_parser("plan", help="will a run fit? per-GPU memory, step time, recommended cp/dp/strategy",
                        description="Estimate per-GPU peak memory (term by term) and step time of every cp/dp/strategy "
@@ -35,7 +35,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="full activation checkpointing on/off (default: consider both)")
     p.add_argument("--cp", type=int, default=None, help="pin the context-parallel size")
     p.add_argument("--dp", type=int, default=None, help="pin the data-parallel size")
-    p.add_argument("--strategy", choices=["ring", "allgather"], default=None, help="pin the CP attention strategy")
+    # validated by PlanRequest (longdoc.parallel.api.check_strategy): the choices live in the CP core, and
+    # importing it here would import torch on every `longdoc --help`
+    p.add_argument("--strategy", default=None, help="pin the CP attention strategy (ring or allgather)")
     p.add_argument("--no-chunked-loss", action="store_true",
                    help="cross-entropy over all local tokens at once (what most trainers do) instead of 1024 at a time")
     p.add_argument("--loss-chunk", type=int, default=1024, help="tokens per cross-entropy chunk")
@@ -46,7 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from longdoc.bench.plan import PlanRequest, plan
+    from longdoc.plan.planner import PlanRequest, plan
 
     try:
         req = PlanRequest(model=args.model, seq_len=args.seq_len, gpus=args.gpus, gpu=args.gpu,
@@ -60,7 +62,7 @@ def _main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
-        from longdoc.bench.report import render_plan
+        from longdoc.plan.report import render_plan
 
         print(render_plan(result, show_all=args.all))
     return 0 if result.best is not None else 1

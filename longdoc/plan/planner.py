@@ -16,10 +16,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from longdoc.bench.hardware import GIB, INTERCONNECTS, Assumptions, device, machine_memory_gib
-from longdoc.bench.memory import STRATEGIES, MemoryEstimate, Setup, estimate
-from longdoc.bench.shapes import ModelShape, model_shape
-from longdoc.bench.timing import StepTime, estimate_time
+from longdoc.parallel.api import STRATEGIES, Strategy, check_strategy
+from longdoc.plan.hardware import GIB, INTERCONNECTS, Assumptions, device, machine_memory_gib
+from longdoc.plan.memory import MemoryEstimate, Setup, estimate
+from longdoc.plan.shapes import ModelShape, model_shape
+from longdoc.plan.timing import StepTime, estimate_time
 
 TIE = 0.03
 
@@ -35,7 +36,7 @@ class PlanRequest:
     checkpointing: bool | None = None  # None: consider both
     cp: int | None = None
     dp: int | None = None
-    strategy: str | None = None
+    strategy: Strategy | None = None
     chunked_loss: bool = True
     loss_chunk: int = 1024
     micro_batch: int = 1
@@ -47,8 +48,8 @@ class PlanRequest:
             raise ValueError(f"--interconnect must be one of {INTERCONNECTS}, got {self.interconnect!r}")
         if self.seq_len < 2 or self.gpus < 1:
             raise ValueError("--seq-len must be at least 2 tokens and --gpus at least 1")
-        if self.strategy is not None and self.strategy not in STRATEGIES:
-            raise ValueError(f"--strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.strategy is not None:
+            check_strategy(self.strategy)
         for name in ("cp", "dp"):
             value = getattr(self, name)
             if value is not None and (value < 1 or self.gpus % value):

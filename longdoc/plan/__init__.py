@@ -1,0 +1,17 @@
+"""The planner (`longdoc plan`): will a long-context fine-tuning run fit, how fast, with which cp/dp/strategy.
+
+    from longdoc.plan.planner import PlanRequest, plan
+    result = plan(PlanRequest(model="Llama-3.1-8B", seq_len=131072, gpus=8, gpu="h100"))
+    result.best.describe(), result.best.memory.total_gib, result.best.time.tokens_per_s
+
+Modules, each depending only on those listed before it:
+    hardware   devices, links and the efficiency assumptions (peak figures, not measurements)
+    shapes     a model's shape and exact parameter counts from its config alone (meta device, no weights)
+    memory     per-rank peak memory of one training step, term by term, phase by phase
+    timing     step time: FLOPs, bandwidth, what overlaps what
+    planner    every open (cp, dp, strategy, checkpointing), the recommendation, what to change if none fits
+    report     the text rendering of a plan
+    cli        the `longdoc plan` verb
+Works from formulas only and never imports the benchmarks; `longdoc.bench.calibrate` measures real runs
+against `memory.estimate`.
+"""
