@@ -305,7 +305,7 @@ def test_gguf_conversion_into_fresh_cache_matches_direct_gguf_load(tmp_path):
 
     gguf = models._default_gguf()
     # The fallback used when a GGUF tokenizer comes without a template reads the same metadata.
-    assert models._gguf_field(gguf, "tokenizer.chat_template") == models.load_tokenizer().chat_template
+    assert models.gguf.read_gguf_field(gguf, "tokenizer.chat_template") == models.load_tokenizer().chat_template
     direct = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
     )
