@@ -3,7 +3,7 @@
     longdoc data synth --domain legal --num-docs 4 --tokens 32768 --seed 0 --out legal.jsonl
     longdoc data prepare legal.jsonl --task qa --target-tokens 32768 --out runs/data/legal-qa
 
-    from longdoc.corpus.synth import generate          # -> list of records (document + QA)
+    from longdoc.corpus.synth import synthesize        # -> list of records (document + QA)
     from longdoc.corpus.prepare import prepare, save    # -> datasets.Dataset of token rows
     from longdoc.corpus.qa_format import qa_parts       # the QA prompt, shared with evaluation
     from longdoc.corpus.ingest import CorpusError, Fields, Skips

@@ -61,11 +61,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _synth(args: argparse.Namespace) -> int:
-    from longdoc.corpus.synth import generate, write_jsonl
+    from longdoc.corpus.synth import synthesize, write_jsonl
 
     t0 = time.perf_counter()
     try:
-        records = generate(args.domain, args.num_docs, args.tokens, args.seed, args.tokenizer, args.qa_per_kind)
+        records = synthesize(args.domain, args.num_docs, args.tokens, args.seed, args.tokenizer, args.qa_per_kind)
     except ValueError as e:
         print(f"longdoc data synth: {e}", file=sys.stderr)
         return 2

@@ -11,12 +11,12 @@ _CACHE: dict[tuple, list[str]] = {}
 def synth_documents(domain: str, tokens: int, count: int, seed: int, tokenizer: Any) -> list[str]:
     """`count` generated documents of about `tokens` tokens (deterministic; cached, so a compare run that
     evaluates two models with one tokenizer generates them once)."""
-    from longdoc.corpus.synth import MIN_TOKENS, generate
+    from longdoc.corpus.synth import MIN_TOKENS, synthesize
 
     target = max(MIN_TOKENS, tokens)
     key = (domain, target, count, seed, getattr(tokenizer, "name_or_path", ""), len(tokenizer))
     if key not in _CACHE:
-        records = generate(domain, num_docs=count, tokens=target, seed=seed, tokenizer=tokenizer)
+        records = synthesize(domain, num_docs=count, tokens=target, seed=seed, tokenizer=tokenizer)
         _CACHE[key] = [r["document"] for r in records]
     return list(_CACHE[key])
 

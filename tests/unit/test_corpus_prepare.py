@@ -12,7 +12,7 @@ import pytest
 from longdoc.corpus.ingest import CorpusError, Fields, Skips
 from longdoc.corpus.prepare import prepare, save
 from longdoc.corpus.qa_format import qa_parts
-from longdoc.corpus.synth import generate, write_jsonl
+from longdoc.corpus.synth import synthesize, write_jsonl
 from longdoc.corpus.tokens import get_tokenizer
 from longdoc.corpus.windows import IGNORE
 
@@ -24,7 +24,8 @@ def tok():
 
 @pytest.fixture(scope="module")
 def synth(tmp_path_factory, tok):
-    records = generate("legal", 2, 8192, seed=0, tokenizer=tok) + generate("medical", 1, 8192, seed=0, tokenizer=tok)
+    records = (synthesize("legal", 2, 8192, seed=0, tokenizer=tok)
+               + synthesize("medical", 1, 8192, seed=0, tokenizer=tok))
     path = tmp_path_factory.mktemp("synth") / "docs.jsonl"
     write_jsonl(records, path)
     return path, records

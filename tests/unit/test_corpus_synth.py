@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from longdoc.corpus.synth import KINDS, generate, write_jsonl
-from longdoc.corpus.synth.base import DATA_DIR, load_data
+from longdoc.corpus.synth import KINDS, synthesize, write_jsonl
+from longdoc.corpus.synth.text import DATA_DIR, load_data
 from longdoc.corpus.tokens import get_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,7 +52,7 @@ def _check_records(records: list[dict], tok, target: int) -> None:
 @pytest.mark.parametrize("domain", ["legal", "medical"])
 def test_acceptance_4_docs_of_32k(domain, tok):
     t0 = time.perf_counter()
-    records = generate(domain, num_docs=4, tokens=32768, seed=0, tokenizer=tok)
+    records = synthesize(domain, num_docs=4, tokens=32768, seed=0, tokenizer=tok)
     elapsed = time.perf_counter() - t0
     assert elapsed < 40, f"4 x 32k {domain} documents took {elapsed:.1f}s"
     _check_records(records, tok, 32768)
@@ -74,7 +74,7 @@ def test_acceptance_4_docs_of_32k(domain, tok):
 @pytest.mark.parametrize("domain", ["legal", "medical"])
 @pytest.mark.parametrize("tokens", [2048, 4096, 16384])
 def test_other_lengths(domain, tokens, tok):
-    records = generate(domain, num_docs=2, tokens=tokens, seed=3, tokenizer=tok)
+    records = synthesize(domain, num_docs=2, tokens=tokens, seed=3, tokenizer=tok)
     _check_records(records, tok, tokens)
     if tokens >= 4096:
         assert len({q["kind"] for r in records for q in r["qa"]}) >= 6
@@ -82,14 +82,14 @@ def test_other_lengths(domain, tokens, tok):
 
 @pytest.mark.parametrize("domain", ["legal", "medical"])
 def test_128k(domain, tok):
-    _check_records(generate(domain, num_docs=1, tokens=131072, seed=0, tokenizer=tok), tok, 131072)
+    _check_records(synthesize(domain, num_docs=1, tokens=131072, seed=0, tokenizer=tok), tok, 131072)
 
 
 def test_same_seed_same_bytes_across_processes(tmp_path, tok):
     """A fresh process (other hash seed) through the CLI writes exactly what this process generates."""
     here = tmp_path / "here.jsonl"
-    write_jsonl(generate("medical", num_docs=2, tokens=4096, seed=7, tokenizer=tok), here)
-    write_jsonl(generate("medical", num_docs=2, tokens=4096, seed=7, tokenizer=tok), tmp_path / "again.jsonl")
+    write_jsonl(synthesize("medical", num_docs=2, tokens=4096, seed=7, tokenizer=tok), here)
+    write_jsonl(synthesize("medical", num_docs=2, tokens=4096, seed=7, tokenizer=tok), tmp_path / "again.jsonl")
     assert here.read_bytes() == (tmp_path / "again.jsonl").read_bytes()
     there = tmp_path / "there.jsonl"
     env = {**os.environ, "PYTHONHASHSEED": "12345", "HF_HUB_OFFLINE": "1"}
@@ -99,7 +99,7 @@ def test_same_seed_same_bytes_across_processes(tmp_path, tok):
     assert out.returncode == 0, out.stderr
     assert "wrote 2 medical documents" in out.stdout
     assert there.read_bytes() == here.read_bytes()
-    other = generate("medical", num_docs=1, tokens=4096, seed=8, tokenizer=tok)[0]
+    other = synthesize("medical", num_docs=1, tokens=4096, seed=8, tokenizer=tok)[0]
     assert other["document"] != json.loads(here.read_text().splitlines()[0])["document"]
 
 
@@ -141,6 +141,30 @@ def test_legal_vocabulary_is_consistent():
 
 def test_bad_arguments_name_the_valid_ones(tok):
     with pytest.raises(ValueError, match="domain must be one of"):
-        generate("tax", 1, 4096, tokenizer=tok)
+        synthesize("tax", 1, 4096, tokenizer=tok)
     with pytest.raises(ValueError, match=r"tokens must be in \[1024"):
-        generate("legal", 1, 100, tokenizer=tok)
+        synthesize("legal", 1, 100, tokenizer=tok)
+
+
+@pytest.mark.parametrize("domain", ["legal", "medical"])
+def test_simulators_follow_the_protocol_and_declare_their_state(domain):
+    """Every attribute a simulator sets is declared in its state class (the parts that read it can see it)."""
+    import random
+
+    from longdoc.corpus.synth.legal_case import LegalCaseSimulator
+    from longdoc.corpus.synth.legal_state import CaseState
+    from longdoc.corpus.synth.medical_chart import PatientChartSimulator
+    from longdoc.corpus.synth.medical_state import ChartState
+    from longdoc.corpus.synth.simulator import Simulator
+
+    cls, state = {"legal": (LegalCaseSimulator, CaseState), "medical": (PatientChartSimulator, ChartState)}[domain]
+    sim = cls(random.Random("probe"), 16384, "probe")
+    assert isinstance(sim, Simulator) and sim.domain == domain
+    sim.opening()
+    for step in range(80):
+        sim.next(step / 80)
+        sim.filler()
+    sim.closing()
+    undeclared = set(vars(sim)) - set(state.__annotations__)
+    assert not undeclared, f"{cls.__name__} sets {sorted(undeclared)} without declaring them in {state.__name__}"
+    assert not set(state.__annotations__) & set(vars(state)), "declared state must not have class-level values"

@@ -63,12 +63,12 @@ def test_pretokenized_jsonl_and_errors(tmp_path):
 
 
 def test_raw_documents_go_through_corpus_prepare(tmp_path):
-    from longdoc.corpus.synth import generate, write_jsonl
+    from longdoc.corpus.synth import synthesize, write_jsonl
     from longdoc.models import load_tokenizer
 
     tok = load_tokenizer()
     docs = tmp_path / "legal.jsonl"
-    write_jsonl(generate("legal", 1, 1024, seed=0), docs)
+    write_jsonl(synthesize("legal", 1, 1024, seed=0), docs)
     qa = load_sequences(DataConfig(path=str(docs), task="qa", seq_len=1536), tok, len(tok), seed=0)
     ids, labels = qa.row(0)
     scored = int((labels != -100).sum())

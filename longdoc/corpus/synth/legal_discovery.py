@@ -1,14 +1,17 @@
-"""Discovery-phase pieces of a simulated case file: deposition transcripts, exhibits, correspondence.
+"""Discovery-phase papers of a simulated case file: deposition transcripts, exhibits, correspondence.
 
-A mixin of `legal.LegalSim`: it uses the case state kept there (parties, counsel, dates, lists of
-depositions, invoices, demands and offers).
+A base of `legal_case.LegalCaseSimulator`: it reads and extends the case state declared in
+`legal_state.CaseState` (parties, counsel, dates, lists of depositions, invoices, demands and offers).
 """
 
 from __future__ import annotations
 
 import datetime as dt
 
-from longdoc.corpus.synth.base import Ref, Section, fill, fmt_dollars, fmt_money, fmt_time, person_name
+from longdoc.corpus.synth.legal_facts import Dated, Deposition, Invoice
+from longdoc.corpus.synth.legal_state import CaseState
+from longdoc.corpus.synth.sections import Ref, Section
+from longdoc.corpus.synth.text import fill, fmt_dollars, fmt_money, fmt_time, person_name
 
 _NO_SCENE = ("expert", "surgeon", "spouse", "wife", "consultant", "vocational", "engineering")
 _ARRIVAL = ("Around {time}", "I got there at about {time}", "It was {time}, give or take a few minutes.",
@@ -17,10 +20,8 @@ _JOBS = ("an office manager", "a school bus driver", "a dental hygienist", "an e
 _TENURE = ("About {n} years.", "{n} years this coming spring.", "It will be {n} years in the fall.")
 
 
-class Discovery:
+class DiscoveryPapers(CaseState):
     def deposition(self) -> Section:
-        from longdoc.corpus.synth.legal import Dated, Deposition
-
         r, v, ct = self.rng, self.v, self.ct
         self.advance(1, 20)
         side = r.choice(("plaintiff", "defendant"))
@@ -95,8 +96,6 @@ class Discovery:
         return s
 
     def invoice_exhibit(self) -> Section:
-        from longdoc.corpus.synth.legal import Dated, Invoice
-
         r = self.rng
         self.advance(1, 10)
         self.exhibits += 1
@@ -170,8 +169,6 @@ class Discovery:
         return s.line("Sincerely,").line(c["name"]), ref
 
     def settlement(self, side: str) -> Section:
-        from longdoc.corpus.synth.legal import Dated
-
         r = self.rng
         self.advance()
         mine, theirs = (self.demands, self.offers) if side == "plaintiff" else (self.offers, self.demands)

@@ -1,4 +1,4 @@
-"""Questions over a simulated case file (see legal.py): every answer follows from the file.
+"""Questions over a simulated case file (see legal_case.py): every answer follows from the file.
 
 Families and phrasings are in `data/synth/legal/questions.json`; each family belongs to one kind
 (lookup, distractor, multi_hop, count, aggregate, temporal_order, interval, latest).
@@ -9,8 +9,10 @@ from __future__ import annotations
 import itertools
 import random
 
-from longdoc.corpus.synth.base import QA, Asker, Ref, date_aliases, money_aliases, number_aliases
-from longdoc.corpus.synth.legal import LegalSim
+from longdoc.corpus.synth.legal_case import LegalCaseSimulator
+from longdoc.corpus.synth.questions import QA, Asker
+from longdoc.corpus.synth.sections import Ref
+from longdoc.corpus.synth.text import date_aliases, money_aliases, number_aliases
 
 
 def _some(rng: random.Random, items: list, k: int = 3) -> list:
@@ -25,7 +27,7 @@ def _before(items: list, date) -> object | None:
     return prior[-1] if prior else None
 
 
-def questions(sim: LegalSim, ask: Asker, rng: random.Random) -> list[QA]:
+def questions(sim: LegalCaseSimulator, ask: Asker, rng: random.Random) -> list[QA]:
     out: list[QA] = []
     d, f = sim.d, sim.facts
     parties = {"plaintiff": sim.plaintiff, "defendant": sim.defendant}

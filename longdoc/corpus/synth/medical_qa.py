@@ -1,4 +1,4 @@
-"""Questions over a simulated patient history (see medical.py): every answer follows from the record.
+"""Questions over a simulated patient history (see medical_chart.py): every answer follows from the record.
 
 Families and phrasings are in `data/synth/medical/questions.json`; each family belongs to one kind
 (lookup, distractor, multi_hop, count, aggregate, temporal_order, interval, latest).
@@ -9,8 +9,11 @@ from __future__ import annotations
 import itertools
 import random
 
-from longdoc.corpus.synth.base import QA, Asker, Ref, number_aliases
-from longdoc.corpus.synth.medical import DoseSet, Event, Lab, MedicalSim
+from longdoc.corpus.synth.medical_chart import PatientChartSimulator
+from longdoc.corpus.synth.medical_facts import DoseSet, Event, Lab
+from longdoc.corpus.synth.questions import QA, Asker
+from longdoc.corpus.synth.sections import Ref
+from longdoc.corpus.synth.text import number_aliases
 
 _PER_FAMILY = 3
 
@@ -28,7 +31,7 @@ def _dose_before(doses: list[DoseSet], med: str, ev: Event) -> DoseSet | None:
     return before[-1] if before and not before[-1].stop else None
 
 
-def questions(sim: MedicalSim, ask: Asker, rng: random.Random) -> list[QA]:
+def questions(sim: PatientChartSimulator, ask: Asker, rng: random.Random) -> list[QA]:
     out: list[QA] = []
     d = sim.d
     labs_by: dict[str, list[Lab]] = {}

@@ -1,72 +1,25 @@
-"""Synthetic litigation case files: complaint, answer, orders, depositions, exhibits, motions, letters.
+"""Synthetic litigation case files: the simulator, with the pleadings, motions and orders it writes.
 
-The case is simulated filing by filing, so facts stay consistent (the trial date in effect, the
-latest settlement demand, which exhibit a witness was shown). Vocabulary and text live in
-`data/synth/legal/*.json`; questions are built by `legal_qa.py`.
+The case is simulated paper by paper, so facts stay consistent (the trial date in effect, the
+latest settlement demand, which exhibit a witness was shown). The state is declared in
+`legal_state.py`, the planted facts in `legal_facts.py`, the discovery papers (depositions, exhibits,
+letters) in `legal_discovery.py`. Vocabulary and text live in `data/synth/legal/*.json`; questions are
+built by `legal_qa.py`.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import random
-from dataclasses import dataclass, field
 
-from longdoc.corpus.synth.base import DATE_STYLES, Ref, Section, fill, fmt_date, fmt_dollars, load_data, person_name
-from longdoc.corpus.synth.legal_discovery import Discovery
-
-
-@dataclass
-class Dated:  # a dated fact with its span: a trial setting, a demand, an offer, a filing
-    date: dt.date
-    text: str
-    ref: Ref
-    value: int = 0
-    date_ref: Ref | None = None  # the dated line of the paper that holds it
+from longdoc.corpus.synth.legal_discovery import DiscoveryPapers
+from longdoc.corpus.synth.legal_facts import Dated, Motion, TrialSetting
+from longdoc.corpus.synth.sections import Ref, Section
+from longdoc.corpus.synth.text import DATE_STYLES, fill, fmt_dollars, load_data, person_name
 
 
-@dataclass
-class TrialSetting:
-    set_on: dt.date
-    trial: dt.date
-    text: str
-    ref: Ref
-    ordered: Ref  # "SO ORDERED on <date>" of the order that set it
-
-
-@dataclass
-class Deposition:
-    date: dt.date
-    witness: str
-    sex: str
-    employer: str
-    head: Ref
-    date_ref: Ref
-    arrival: Dated | None = None
-    tenure: Dated | None = None
-    shown: list[tuple[int, Ref]] = field(default_factory=list)
-    is_plaintiff: bool = False
-
-
-@dataclass
-class Invoice:
-    number: str
-    number_ref: Ref
-    vendor: str
-    total: Dated
-    exhibit: int
-
-
-@dataclass
-class Motion:
-    side: str  # "plaintiff" | "defendant"
-    key: str
-    name: str  # "defendant's motion to compel"
-    filed: Dated
-    ruled: bool = False
-
-
-class LegalSim(Discovery):
-    domain = "legal"
+class LegalCaseSimulator(DiscoveryPapers):
+    """A `simulator.Simulator` of one lawsuit, from the complaint on (state: `legal_state.CaseState`)."""
 
     def __init__(self, rng: random.Random, target: int, seed_key: str):
         self.rng, self.seed_key = rng, seed_key
@@ -99,21 +52,21 @@ class LegalSim(Discovery):
         self.case_no = (f"{rng.randint(1, 3)}:{year % 100}-cv-{rng.randint(100, 9999):05d}"
                         if self.court.startswith("United States") else f"{year}-CV-{rng.randint(1000, 99999)}")
         self.damages = rng.randint(15, 900) * 5000
-        self.trial: list[TrialSetting] = []
-        self.demands: list[Dated] = []
-        self.offers: list[Dated] = []
-        self.depositions: list[Deposition] = []
-        self.invoices: list[Invoice] = []
-        self.motions: list[Motion] = []
+        self.trial = []
+        self.demands = []
+        self.offers = []
+        self.depositions = []
+        self.invoices = []
+        self.motions = []
         self.exhibits = 0
-        self.facts: dict[str, Dated] = {}
+        self.facts = {}
         self.compact = target < 6000
         scale = target / 32768
         plot = (["deposition"] * min(30, max(2, round(5 * scale))) + ["invoice"] * min(25, max(2, round(4 * scale)))
                 + ["demand"] * min(10, max(2, round(2 * scale) + 1)) + ["offer"] * min(10, max(1, round(2 * scale)))
                 + ["motion"] * min(12, max(1, round(3 * scale))) + ["continuance"] * min(8, max(1, round(1.5 * scale))))
         self.plot = sorted((rng.uniform(0.05, 0.9), what) for what in plot)
-        self.pending: list[str] = ["answer", "scheduling"]
+        self.pending = ["answer", "scheduling"]
 
     # ------------------------------------------------------------------ helpers
     def title(self) -> str:
@@ -124,12 +77,6 @@ class LegalSim(Discovery):
         a, b = self.rng.sample(self.v["firm_words"], 2)
         return {"name": f"{first} {last}", "last": last, "title": "MS." if sex == "F" else "MR.",
                 "firm": fill(self.rng.choice(self.v["firm_forms"]), {"a": a, "b": b})}
-
-    def d(self, date: dt.date | None = None) -> str:
-        return fmt_date(date or self.date, self.style)
-
-    def party(self, side: str) -> str:
-        return self.plaintiff if side == "plaintiff" else self.defendant
 
     def ctx(self, **extra) -> dict:
         return {"plaintiff": self.plaintiff, "defendant": self.defendant, "p_short": self.p_short,
@@ -155,9 +102,6 @@ class LegalSim(Discovery):
 
     def address_of(self, side: str) -> str:
         return f"{self.city}, {self.state}"
-
-    def advance(self, lo: int = 2, hi: int = 25) -> None:
-        self.date += dt.timedelta(days=self.rng.randint(lo, hi))
 
     # ------------------------------------------------------------------ sections
     def opening(self) -> list[Section]:

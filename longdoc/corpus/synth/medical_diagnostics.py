@@ -1,22 +1,23 @@
 """Laboratory reports and imaging studies of a simulated patient history.
 
-A mixin of `medical.MedicalSim`: it uses the chart state kept there (date, lab trajectories, the
-current condition, the event list).
+A base of `medical_chart.PatientChartSimulator`: it reads and extends the chart state declared in
+`medical_state.ChartState` (date, lab trajectories, the current condition, the event list).
 """
 
 from __future__ import annotations
 
-from longdoc.corpus.synth.base import Section, fill
+from longdoc.corpus.synth.medical_facts import Event, Lab
+from longdoc.corpus.synth.medical_state import ChartState
+from longdoc.corpus.synth.sections import Section
+from longdoc.corpus.synth.text import fill
 
 
 def _num(x: float, dec: int) -> str:
     return f"{x:.{dec}f}"
 
 
-class TestsMixin:
+class DiagnosticReports(ChartState):
     def lab_report(self) -> Section:
-        from longdoc.corpus.synth.medical import Lab
-
         s = Section("labs", self.date)
         s.line("LABORATORY REPORT")
         header = s.mark("date", f"Collected: {self.d()} {self.rng.randint(4, 7):02d}:{self.rng.randint(0, 59):02d}",
@@ -43,8 +44,6 @@ class TestsMixin:
         return s
 
     def study(self) -> Section:
-        from longdoc.corpus.synth.medical import Event
-
         keys = [k for k in self.cond_imaging() if k in self.v["imaging"]]
         recent = {e.key for e in self.events if e.kind == "study" and (self.date - e.date).days < 14}
         key = self.rng.choice([k for k in keys if k not in recent] or keys)

@@ -1,9 +1,8 @@
-"""Shared machinery of the synthetic generators: data files, sections with marked spans, QA records.
+"""Text helpers of the synthetic generators: the data files, template filling, dates, money, times, names.
 
-A generator ("sim") produces the document as a list of `Section`s in reading order. Text that a
-question relies on is written with `Section.mark(key, text)`, so its character span is known exactly;
-a QA record points at such spans through `Ref(section, key)` and the spans are resolved to document
-offsets once the sections are joined.
+Vocabulary and templates live in `data/synth/<domain>/*.json` (domain "common" for shared names); the
+formatters write a fact the way a document does, the `*_aliases` give the other ways a correct answer
+may be written.
 """
 
 from __future__ import annotations
@@ -12,12 +11,10 @@ import datetime as dt
 import functools
 import json
 import random
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 DATA_DIR = Path(__file__).resolve().parents[3] / "data" / "synth"
-SECTION_SEPARATOR = "\n"  # sections end with a newline: one blank line between them
 DATE_STYLES = ("us", "long", "iso")
 _MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September",
            "October", "November", "December")
@@ -80,81 +77,6 @@ def fmt_time(minutes: int) -> str:
     h, m = divmod(minutes, 60)
     suffix = "a.m." if h < 12 else "p.m."
     return f"{(h - 1) % 12 + 1}:{m:02d} {suffix}"
-
-
-class Section:
-    """One piece of the document (a note, a transcript, a letter) with marked spans."""
-
-    def __init__(self, kind: str, date: dt.date | None = None, inert: bool = False):
-        self.kind = kind
-        self.date = date
-        self.inert = inert  # carries no fact any question uses: may be dropped to fit the length
-        self.parts: list[str] = []
-        self.spans: dict[str, tuple[int, int]] = {}
-        self.length = 0
-        self.offset = -1  # set when the document is assembled
-        self.tokens = 0
-
-    def add(self, *texts: str) -> Section:
-        for text in texts:
-            self.parts.append(text)
-            self.length += len(text)
-        return self
-
-    def line(self, text: str = "") -> Section:
-        return self.add(text, "\n")
-
-    def mark(self, key: str, text: str, end: str = "") -> Ref:
-        """Append `text` and remember its span under `key`; returns a reference to it."""
-        if key in self.spans:
-            raise ValueError(f"span key {key!r} used twice in one {self.kind} section")
-        self.spans[key] = (self.length, self.length + len(text))
-        self.add(text, end)
-        return Ref(self, key)
-
-    @property
-    def text(self) -> str:
-        return "".join(self.parts)
-
-
-@dataclass(frozen=True)
-class Ref:
-    section: Section
-    key: str
-
-    def span(self) -> tuple[int, int]:
-        if self.section.offset < 0:
-            raise RuntimeError(f"{self.section.kind} section referenced by a question is not in the document")
-        start, end = self.section.spans[self.key]
-        return self.section.offset + start, self.section.offset + end
-
-
-@dataclass
-class QA:
-    kind: str
-    template: str  # "<question family>/<phrasing index>", for analysis by phrasing
-    question: str
-    answer: str
-    evidence: list[Ref]
-    aliases: list[str] = field(default_factory=list)
-    extractive: bool = True  # the answer (or an alias) is written inside one of the evidence spans
-
-
-class Asker:
-    """Phrases questions from `data/synth/<domain>/questions.json` (family -> phrasings)."""
-
-    def __init__(self, domain: str, rng: random.Random):
-        self.phrasings: dict[str, dict[str, Any]] = load_data(domain, "questions")
-        self.rng = rng
-
-    def ask(self, family: str, answer: str, evidence: list[Ref], aliases: list[str] | None = None,
-            **slots: Any) -> QA:
-        spec = self.phrasings[family]
-        i = self.rng.randrange(len(spec["phrasings"]))
-        question = fill(spec["phrasings"][i], slots)
-        return QA(kind=spec["kind"], template=f"{family}/{i}", question=question[0].upper() + question[1:],
-                  answer=answer, evidence=evidence, aliases=aliases or [],
-                  extractive=spec.get("extractive", True))
 
 
 def number_aliases(n: int) -> list[str]:

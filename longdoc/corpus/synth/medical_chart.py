@@ -1,8 +1,10 @@
-"""Synthetic patient histories: admissions, progress notes, labs, medications, imaging, discharges.
+"""Synthetic patient histories: the simulator, with the admissions, notes, medications and discharges it writes.
 
 The chart is simulated day by day so every planted fact is consistent with the rest of the record
-(a dose in effect, the labs of a given day, the order of events). Vocabulary and text live in
-`data/synth/medical/*.json`; questions are built by `medical_qa.py`.
+(a dose in effect, the labs of a given day, the order of events). The state is declared in
+`medical_state.py`, the planted facts in `medical_facts.py`, the laboratory and imaging reports in
+`medical_diagnostics.py`. Vocabulary and text live in `data/synth/medical/*.json`; questions are built
+by `medical_qa.py`.
 """
 
 from __future__ import annotations
@@ -10,47 +12,15 @@ from __future__ import annotations
 import datetime as dt
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from longdoc.corpus.synth.base import DATE_STYLES, Ref, Section, fill, fmt_date, load_data, person_name
-from longdoc.corpus.synth.medical_tests import TestsMixin
-
-
-@dataclass
-class DoseSet:  # a start, a change or a stop: the dose from `date` on
-    date: dt.date
-    med: str
-    dose: str
-    ref: Ref
-    change: bool
-    stop: bool = False
-    date_ref: Ref | None = None  # the dated header of the note that holds it
+from longdoc.corpus.synth.medical_diagnostics import DiagnosticReports
+from longdoc.corpus.synth.medical_facts import DoseSet, Event
+from longdoc.corpus.synth.sections import Ref, Section
+from longdoc.corpus.synth.text import DATE_STYLES, fill, load_data, person_name
 
 
-@dataclass
-class Lab:
-    date: dt.date
-    analyte: str
-    text: str  # value as written
-    value: float
-    flag: str
-    ref: Ref
-    header: Ref | None = None  # "Collected: <date>" of its report
-
-
-@dataclass
-class Event:  # something with a date that questions can name: an incident, a study, a consult
-    date: dt.date
-    kind: str  # "incident" | "study" | "consult" | "admission"
-    key: str
-    name: str
-    ref: Ref
-    value: str = ""  # the measurement of a study, the consultant of a consult
-    value_ref: Ref | None = None
-
-
-class MedicalSim(TestsMixin):
-    domain = "medical"
+class PatientChartSimulator(DiagnosticReports):
+    """A `simulator.Simulator` of one patient's record (state: `medical_state.ChartState`)."""
 
     def __init__(self, rng: random.Random, target: int, seed_key: str):
         self.rng, self.seed_key = rng, seed_key
@@ -73,16 +43,16 @@ class MedicalSim(TestsMixin):
         self.mrn = f"{rng.randint(0, 99_999_999):08d}"
         self.pcp = self.doctor()
         self.date = dt.date(rng.randint(2014, 2023), rng.randint(1, 12), rng.randint(1, 28))
-        self.meds: dict[str, int] = {}
-        self.doses: list[DoseSet] = []
-        self.labs: list[Lab] = []
-        self.lab_state: dict[str, float] = {}
-        self.events: list[Event] = []
-        self.queue: list[Callable[[], Section]] = []
+        self.meds = {}
+        self.doses = []
+        self.labs = []
+        self.lab_state = {}
+        self.events = []
+        self.queue = []
         self.in_hospital, self.day, self.los = False, 0, 0
         self.attending = self.service = ""
-        self.pending: list[str] = []
-        self.tracked: list[str] = []
+        self.pending = []
+        self.tracked = []
         self.n_visits = 0
         scale = target / 32768
         self.compact = target < 6000  # short records: fewer panels and history lines, more events
@@ -96,13 +66,6 @@ class MedicalSim(TestsMixin):
     # ------------------------------------------------------------------ helpers
     def title(self) -> str:
         return f"Patient health record of {self.p['patient']}, {self.hospital}"
-
-    def doctor(self) -> str:
-        first, last, _ = person_name(self.rng, self.common, self.used_names)
-        return f"{first} {last}"
-
-    def d(self, date: dt.date | None = None) -> str:
-        return fmt_date(date or self.date, self.style)
 
     def ctx(self, **extra) -> dict:
         return {**self.p, "pmh": ", ".join(self.pmh[:-1]) + " and " + self.pmh[-1],
