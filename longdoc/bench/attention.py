@@ -71,17 +71,17 @@ def _single(rank: int, world_size: int, cfg: AttentionBenchConfig) -> list[float
 
 
 def _cp(rank: int, world_size: int, cfg: AttentionBenchConfig) -> dict[str, list[float]]:
-    import longdoc
+    from longdoc.parallel.api import ContextParallel, attention
 
     full = _inputs(cfg)
     results = {}
     for layout, strategy in VARIANTS:
-        cp = longdoc.ContextParallel(layout=layout, timeout=900)
+        cp = ContextParallel(layout=layout, timeout=900)
         q, k, v = (cp.shard(t, dim=2).requires_grad_() for t in full[:3])
         dout = cp.shard(full[3], dim=2)
 
         def step():
-            out = longdoc.attention(q, k, v, cp, causal=cfg.causal, strategy=strategy)  # noqa: B023
+            out = attention(q, k, v, cp, causal=cfg.causal, strategy=strategy)  # noqa: B023
             torch.autograd.grad(out, (q, k, v), dout)  # noqa: B023
 
         results[f"{layout}/{strategy}"] = timed(step, cfg.repeats, sync=dist.barrier)
