@@ -2,7 +2,7 @@
 
     rows = calibrate([TrainRun(model="tiny", cp=2, seq_len=16384), ...])
 
-The prediction is `memory.estimate` in CPU mode (fp32, no FSDP, DDP's gradient buckets, the "cpu" device's
+The prediction is `longdoc.plan.memory.estimate` in CPU mode (fp32, no FSDP, DDP's gradient buckets, the "cpu" device's
 runtime constant), made from the model's config alone. The measurement is the
 largest lifetime peak RSS of any rank (`runs.run_steps`). Nothing measured flows into the prediction.
 """
