@@ -58,7 +58,7 @@ def _ids(seed: int, batch: int, length: int) -> torch.Tensor:
 def _worker(rank: int, world: int) -> dict:
     import longdoc
     from longdoc.eval.scoring import answer_score
-    from longdoc.hf.generate import KVSession, generate
+    from longdoc.hf.session import KVSession, generate
     from longdoc.models import tiny_model
 
     cp = longdoc.ContextParallel(timeout=60)
@@ -93,7 +93,7 @@ def _worker(rank: int, world: int) -> dict:
             hf.set_attn_implementation("sdpa")
             ref_tokens, ref_logits = reference_greedy(hf, torch.cat([doc, q], 1), 10)
             ref_nll, ref_argmax = reference_nll(hf, torch.cat([doc, q], 1), a)
-            hf.set_attn_implementation(longdoc.hf.generate.NAME)
+            hf.set_attn_implementation(longdoc.hf.attention.NAME)
             out[f"qa{j}"] = dict(tokens=gen.tokens.tolist(), ref_tokens=ref_tokens.tolist(),
                                  logits_err=float((gen.logits - ref_logits).abs().max()),
                                  nll=score.nll, ref_nll=ref_nll, argmax_tokens=score.argmax_tokens,
