@@ -202,6 +202,7 @@ def _post_forward(handle: CPHandle, n_layers: int, module, args, kwargs, output)
 
 _GENERATE_ARGS = ("input_ids", "max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "eos_token_id",
                   "pad_token_id", "attention_mask", "use_cache")
+_HARMLESS = {"num_beams": 1, "num_return_sequences": 1, "return_dict_in_generate": False}  # the defaults
 GENERATE_CALL = ("longdoc.hf.generate(model, cp, input_ids, max_new_tokens, eos_token_id=..., do_sample=..., "
                  "temperature=..., top_p=..., top_k=..., seed=...)")
 
@@ -215,7 +216,8 @@ def _generate_call(hf, args: tuple, kwargs: dict) -> tuple[dict, str | None]:
         if len(args) > 1 or "input_ids" in call:
             return call, f"{len(args)} positional argument(s) besides the keyword ones"
         call["input_ids"] = args[0]
-    extra = sorted(k for k, v in call.items() if k not in _GENERATE_ARGS and v is not None)
+    extra = sorted(k for k, v in call.items()
+                   if k not in _GENERATE_ARGS and v is not None and _HARMLESS.get(k, object()) != v)
     if extra:
         return call, f"the argument(s) {', '.join(extra)}"
     ids = call.get("input_ids")
