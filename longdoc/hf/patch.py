@@ -5,11 +5,13 @@
     model(**local).loss.backward()            # loss = this rank's share; sum over CP = single-device mean
 
 What patch does, all of it undoable with `unpatch(model)`:
-  - registers "longdoc_cp" with AttentionInterface and AttentionMaskInterface (never replacing a name)
-    and sets it as the model's attention implementation: the model's own modules run unchanged;
+  - switches the model to the "longdoc_cp" backend (longdoc.hf.attention registers it, never replacing
+    a name): the model's own modules run unchanged;
   - puts a `CPHandle` (the cp group and the ring strategy) on the model's modules, where the
     attention function finds it: no globals, so several patched models and groups coexist;
   - replaces the causal-LM loss with the CP share (sum of token losses / global token count);
+  - routes `model.generate(...)` through the CP KV session (longdoc.hf.session.generate) for the
+    arguments the session supports, and refuses the others naming `longdoc.hf.generate(model, cp, ...)`;
   - adds a forward pre-hook that checks, once per call and before any communication, what only the
     whole call shows (positions, labels, padding, RoPE scaling), and a post-hook that checks every
     decoder layer's attention really went through the CP path.
