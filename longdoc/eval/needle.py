@@ -20,7 +20,7 @@ import torch
 
 from longdoc.eval import data, metrics, plots, report
 from longdoc.eval.prompts import Prompter
-from longdoc.hf.generate import KVSession
+from longdoc.hf.session import KVSession
 from longdoc.parallel.api import ContextParallel
 
 NEEDLES = {

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from longdoc.hf.generate import KVSession
+from longdoc.hf.session import KVSession
 
 
 @dataclass(frozen=True)

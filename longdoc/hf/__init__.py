@@ -1,10 +1,19 @@
-"""transformers integration: patch a causal LM for exact context parallelism, shard batches, prefill.
+"""transformers integration: patch a causal LM for exact context parallelism, shard batches, prefill, decode.
 
 Importing this package imports transformers; `import longdoc` alone does not.
+
+    attention.py  the "longdoc_cp" backend: the one registration, per-call checks, dispatch by mode
+    patch.py      patch / unpatch: the backend, the CP loss share, per-call input checks, model.generate
+    session.py    KVSession and generate(): CP prefill, extend, rollback, greedy or seeded sampling
+    decode.py     the decode mathematics: sharded KV cache, extend attention, token choice
+    prefill.py    evaluation forwards without a cache: logits / log-probs at chosen positions
+    verify.py     `longdoc verify`
 """
 
 from longdoc.hf.attention import UnsupportedFeatureError
-from longdoc.hf.batch import shard_batch, shift_labels
-from longdoc.hf.patch import CPInputError, is_patched, patch, unpatch
+from longdoc.hf.patch import is_patched, patch, unpatch
+from longdoc.hf.session import Generation, KVSession, generate
+from longdoc.parallel.batch import CPInputError, shard_batch, shift_labels
 
-__all__ = ["CPInputError", "UnsupportedFeatureError", "is_patched", "patch", "shard_batch", "shift_labels", "unpatch"]
+__all__ = ["CPInputError", "Generation", "KVSession", "UnsupportedFeatureError", "generate", "is_patched", "patch",
+           "shard_batch", "shift_labels", "unpatch"]

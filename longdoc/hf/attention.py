@@ -1,27 +1,33 @@
-"""The attention and mask functions longdoc registers with transformers under the name "longdoc_cp".
+"""The transformers backend "longdoc_cp": the ONE module that touches transformers' attention registry.
 
 transformers looks attention functions up by `config._attn_implementation`, so one registered name
-serves every patched model; the ContextParallel object itself lives on each patched model's modules
-(`module._longdoc_cp`, a `CPHandle`), never in a module global, so models patched with different
-groups in one process do not interfere.
+serves every patched model and every KV session; the ContextParallel object itself lives on each
+model's modules (`module._longdoc_cp`, a `CPHandle`), never in a module global, so models patched with
+different groups in one process do not interfere.
 
-The mask function builds nothing: under CP the only pattern the ring computes is plain causal
-attention over the global sequence, and right padding needs no mask for the tokens that count
-(a real token never sees a pad after it). Everything else that would change the attention result is
-refused here, at call time, with an error that names the feature and the model.
+One attention function, one per-call checker, dispatched by the handle's mode:
+  "train"            a patched model's forward (training, evaluation prefill): exact CP attention
+                     over the sharded sequence (`longdoc.parallel.api.attention`);
+  "prefill"/"extend" inside a `KVSession` (longdoc.hf.session): the prompt's CP prefill, then new
+                     tokens over every rank's cache shard (`longdoc.hf.decode.extend_attention`).
+The mask function builds nothing: the only pattern computed is plain causal attention over the global
+sequence, and right padding needs no mask for the tokens that count (a real token never sees a pad
+after it). Everything else that would change the result is refused at call time, naming the feature.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-import longdoc
-from longdoc.parallel.api import ContextParallel
+from longdoc.hf import decode
+from longdoc.parallel.api import ContextParallel, attention
 
 NAME = "longdoc_cp"
 
 # Keyword arguments some transformers models pass to their attention function that change the
-# result in ways the ring does not compute: name -> the feature, for the error message.
+# result in ways CP does not compute: name -> the feature, for the error message.
 _UNSUPPORTED_KWARGS = {
     "softcap": "attention logit soft-capping",
     "position_bias": "an additive position bias (ALiBi / relative position bias)",
@@ -33,19 +39,42 @@ _UNSUPPORTED_KWARGS = {
     "cu_seqlens": "packed variable-length sequences (cu_seqlens)",
 }
 
+# Layer kinds whose attention is plain causal (sliding windows are checked against the length per call);
+# the MLP kinds carry no attention at all.
+_SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention", "dense", "sparse", "moe"}
+
+
+@dataclass
+class Session:
+    """What a KVSession puts on its model's handle while it runs (the handle's mode comes from here)."""
+
+    cp: ContextParallel
+    strategy: str
+    mode: str = "idle"  # "prefill" | "extend" once the session has made a call
+    appending: bool = True  # this rank stores the new tokens of the current extend call
+    total: int = 0  # global length after the current call, for the sliding-window check
+
 
 class CPHandle:
-    """What a patched model carries on each of its modules: the CP group, the strategy, counters.
+    """What a model carries on each of its modules: the CP group, the strategy, the mode, counters.
 
     Deep copies of a patched model share the handle (a ProcessGroup cannot be copied); a pickled
-    model comes back unpatched-but-marked, and refuses to run until patched again.
+    model comes back unpatched-but-marked, and refuses to run until patched again. `patched` is False
+    for the temporary handle a KVSession puts on a model that was not patched.
     """
 
-    def __init__(self, cp: ContextParallel | None, strategy: str, model_name: str, config=None):
+    def __init__(self, cp: ContextParallel | None, strategy: str, model_name: str, config=None,
+                 patched: bool = True):
         self.cp, self.strategy, self.model_name, self.config = cp, strategy, model_name, config
-        self.attention_calls = 0  # in the current forward, checked by the post-hook
+        self.patched = patched
+        self.session: Session | None = None
+        self.attention_calls = 0  # in the current forward, checked after it
         self.loss_calls = 0
         self.restore: tuple | None = None  # (attn implementation, had own loss_function, that loss_function)
+
+    @property
+    def mode(self) -> str:
+        return "train" if self.session is None else self.session.mode
 
     def __deepcopy__(self, memo) -> CPHandle:
         return self
@@ -54,7 +83,7 @@ class CPHandle:
         return (CPHandle, (None, self.strategy, self.model_name))
 
     def __repr__(self) -> str:
-        return f"CPHandle({self.cp!r}, strategy={self.strategy!r}, model={self.model_name!r})"
+        return f"CPHandle({self.cp!r}, strategy={self.strategy!r}, model={self.model_name!r}, mode={self.mode!r})"
 
 
 class UnsupportedFeatureError(NotImplementedError):
@@ -68,31 +97,148 @@ def refuse(model_name: str, feature: str, fix: str) -> UnsupportedFeatureError:
     )
 
 
+# ---- the model and its config ----
+
+def hf_model(model: torch.nn.Module):
+    """The transformers PreTrainedModel in `model` (itself, or the one inside e.g. a PEFT wrapper)."""
+    from transformers import PreTrainedModel
+
+    for m in model.modules():  # the model itself first, then e.g. the model inside a PEFT wrapper
+        if isinstance(m, PreTrainedModel):
+            return m
+    raise TypeError(f"longdoc.patch needs a transformers PreTrainedModel (or a wrapper holding one), "
+                    f"got {type(model).__name__}")
+
+
+def model_name(hf) -> str:
+    """How errors name a model: its class and, when known, where it was loaded from."""
+    path = getattr(hf.config, "_name_or_path", "") or ""
+    return f"{type(hf).__name__} ({path})" if path else type(hf).__name__
+
+
+def num_layers(config) -> int:
+    return int(getattr(config.get_text_config(), "num_hidden_layers", 1) or 1)
+
+
+def _configs(config) -> list:
+    out = [config]
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text is not config:
+        out.append(text)
+    return out
+
+
+def check_config(config, name: str) -> None:
+    """Refuse, by name, config features that make attention differ from plain causal SDPA."""
+    for c in _configs(config):
+        if not getattr(c, "is_causal", True) or getattr(c, "use_bidirectional_attention", False):
+            raise refuse(name, "non-causal (bidirectional) attention",
+                         "context parallelism here covers causal language models only")
+        if getattr(c, "attn_logit_softcapping", None) is not None:
+            raise refuse(name, f"attention logit soft-capping (attn_logit_softcapping={c.attn_logit_softcapping})",
+                         "set config.attn_logit_softcapping = None only if you accept a different model")
+        if (getattr(c, "alibi", False) or getattr(c, "position_embedding_type", None) == "alibi"
+                or getattr(c, "model_type", None) in ("bloom", "mpt")):
+            raise refuse(name, "ALiBi position biases", "use a RoPE or absolute-position model")
+        if getattr(c, "attention_chunk_size", None) is not None:
+            raise refuse(name, f"chunked local attention (attention_chunk_size={c.attention_chunk_size})",
+                         "use a model with full causal attention")
+        kinds = sorted(set(getattr(c, "layer_types", None) or ()) - _SUPPORTED_LAYER_TYPES)
+        if kinds:
+            raise refuse(name, f"layers of type {', '.join(map(repr, kinds))}",
+                         "only full (and long-enough sliding-window) causal attention layers are supported")
+        if getattr(c, "output_router_logits", False):
+            raise refuse(name, "the MoE router auxiliary loss (output_router_logits=True)",
+                         "it is a non-linear function of whole-sequence router statistics; "
+                         "set config.output_router_logits = False")
+
+
+def rope_limit(config) -> tuple[str, int] | None:
+    """(rope_type, length limit) for RoPE scalings that pick frequencies from the largest position id in
+    the call: under CP each rank sees different positions, so they agree only below the limit."""
+    for c in _configs(config):
+        params = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+        per_layer = [p for p in params.values() if isinstance(p, dict)] or [params]
+        for p in per_layer:
+            kind = p.get("rope_type", p.get("type")) or "default"
+            if "dynamic" in kind:
+                return kind, int(c.max_position_embeddings)
+            if kind == "longrope":
+                return kind, int(p.get("original_max_position_embeddings")
+                                 or getattr(c, "original_max_position_embeddings", c.max_position_embeddings))
+    return None
+
+
+# ---- handles and the implementation switch ----
+
 def handle_of(module: torch.nn.Module) -> CPHandle:
     handle = getattr(module, "_longdoc_cp", None)
-    if handle is None or handle.cp is None:
+    if handle is None or (handle.cp is None and handle.session is None):
         raise RuntimeError(
             f"{type(module).__name__} runs with attn_implementation={NAME!r} but its model is not patched "
             f"(or was unpickled/unpatched); call longdoc.patch(model, cp) on the model first"
         )
+    if handle.mode == "idle":
+        raise RuntimeError(f"{type(module).__name__} was called directly inside a longdoc KVSession; run the "
+                           f"model through the session (prefill / extend / decode) or longdoc.hf.generate")
     return handle
 
 
-def _call_problem(module, query, key, attention_mask, dropout, is_causal, kwargs) -> tuple[str, str] | None:
-    """(feature, fix) when this attention call asks for something the ring does not compute."""
+def attach(hf, handle: CPHandle | None) -> None:
+    """Put `handle` on every module of `hf` (None removes it)."""
+    for m in hf.modules():
+        if handle is None:
+            m.__dict__.pop("_longdoc_cp", None)
+        else:
+            m._longdoc_cp = handle
+
+
+def set_implementation(hf, implementation: str) -> None:
+    """The one place a model's attention implementation is switched (to NAME, or back to its own)."""
+    if implementation == NAME:
+        name = model_name(hf)
+        if not type(hf)._can_set_attn_implementation():
+            raise refuse(name, "attention code that does not go through transformers' AttentionInterface",
+                         "only models whose attention modules call ALL_ATTENTION_FUNCTIONS can be patched")
+        register()
+    hf.set_attn_implementation(implementation)
+    if implementation == NAME and hf.config._attn_implementation != NAME:
+        raise refuse(model_name(hf), "an attention implementation that cannot be switched",
+                     "load the model with attn_implementation='sdpa' and patch again")
+
+
+def check_all_layers(handle: CPHandle, n_layers: int) -> None:
+    """After a forward: every decoder layer's attention went through NAME (else the result is not exact)."""
+    if handle.attention_calls < n_layers:
+        raise RuntimeError(
+            f"longdoc.patch: only {handle.attention_calls} of {n_layers} layers of {handle.model_name} ran their "
+            f"attention through the CP path; the model does not dispatch attention through transformers' "
+            f"AttentionInterface everywhere, so its outputs are NOT context-parallel-exact"
+        )
+
+
+# ---- the per-call checker and the attention function ----
+
+def _problem(handle: CPHandle, module, query, key, attention_mask, dropout, is_causal,
+             kwargs) -> tuple[str, str] | None:
+    """(feature, fix) when this attention call asks for something the current mode does not compute."""
+    mode = handle.mode
     if attention_mask is not None:
         shape = tuple(getattr(attention_mask, "shape", ()))
+        if mode != "train":
+            return (f"an attention mask {shape}",
+                    "generate from unpadded prompts (one prompt, or prompts of equal length) without a mask")
         return (f"a custom {len(shape)}-D attention mask {shape}",
                 "pass a 2-D right-padding attention_mask (or none) and let cp.shard_batch build the batch; "
                 "packed or block-diagonal masks are not supported under CP")
-    if key.shape[2] != query.shape[2]:
+    if mode != "extend" and key.shape[2] != query.shape[2]:
         return (f"attention over a KV cache or other keys ({key.shape[2]} keys for {query.shape[2]} queries)",
-                "call the model with use_cache=False and no past cache; for evaluation use "
-                "longdoc.hf.prefill, which runs the whole prompt at once")
+                "call the model with use_cache=False and no past cache; to decode, use "
+                "longdoc.hf.generate(model, cp, input_ids, max_new_tokens)")
     if dropout:
         return (f"attention dropout in training mode (p={dropout})",
                 "set config.attention_dropout = 0 (and reload/re-init the attention modules if they read "
-                "it at construction), or call model.eval() for evaluation")
+                "it at construction), or call model.eval() for evaluation and generation")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if not causal:
         return ("non-causal (bidirectional) attention",
@@ -105,52 +251,59 @@ def _call_problem(module, query, key, attention_mask, dropout, is_causal, kwargs
     if kwargs.get("output_attentions"):
         return ("output_attentions=True", "attention weights are never materialized under CP; "
                 "call the model without output_attentions")
-    return None
-
-
-def _window_problem(window, global_len: int, cp: ContextParallel) -> tuple[str, str] | None:
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     if window is None:
         return None
     if not isinstance(window, int):
         return f"a sliding window of unsupported form ({window!r})", "use full causal attention"
     # HF's sliding overlay lets query i see key j when i - j < window: that is plain causal attention
     # exactly when the whole (padded) sequence fits in the window.
-    if global_len > window:
-        return (f"sliding-window attention (window {window} < sequence length {global_len}, the length "
-                f"padded to a multiple of cp.multiple={cp.multiple})",
-                f"use sequences of at most {window} tokens (padded), or a model without sliding-window layers")
+    if mode == "train":
+        cp = handle.cp
+        length = query.shape[2] * cp.size
+        if length > window:
+            return (f"sliding-window attention (window {window} < sequence length {length}, the length "
+                    f"padded to a multiple of cp.multiple={cp.multiple})",
+                    f"use sequences of at most {window} tokens (padded), or a model without sliding-window layers")
+    elif handle.session.total > window:
+        return (f"sliding-window attention (window {window} < sequence length {handle.session.total})",
+                "keep prompt plus generated tokens within the window")
     return None
+
+
+def pad_head_dims(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    """Zero-pad q/k or v to one head_dim (models such as MLA have v_dim != qk_dim): zero columns of q and k
+    add nothing to the scores, zero columns of v give output columns that are sliced off. Exact."""
+    width = max(key.shape[-1], value.shape[-1])
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        return t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+
+    return pad(query), pad(key), pad(value)
 
 
 def cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                          is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers attention function: (batch, heads, local_len, head_dim) shards -> (batch, local_len, heads,
-    head_dim) shard of the full-sequence causal attention, like `sdpa_attention_forward`."""
+    """transformers attention function: (batch, heads, len, head_dim) -> (batch, len, heads, head_dim), like
+    `sdpa_attention_forward`; exact CP attention, or decoding over the sharded cache (see the module doc)."""
     handle = handle_of(module)
-    cp = handle.cp
-    problem = _call_problem(module, query, key, attention_mask, dropout, is_causal, kwargs)
-    if problem is None:
-        window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-        problem = _window_problem(window, query.shape[2] * cp.size, cp)
+    problem = _problem(handle, module, query, key, attention_mask, dropout, is_causal, kwargs)
     if problem is not None:
         raise refuse(handle.model_name, *problem)
-
-    head_dim = query.shape[-1]
     if scaling is None:
-        scaling = head_dim ** -0.5  # before any zero-padding of the head dims below
+        scaling = query.shape[-1] ** -0.5  # before any zero-padding of the head dims
     v_dim = value.shape[-1]
-    if v_dim < key.shape[-1]:
-        # Zero columns of V give zero output columns and leave the softmax alone: exact, sliced off below.
-        value = torch.nn.functional.pad(value, (0, key.shape[-1] - v_dim))
-    elif v_dim > key.shape[-1]:
-        # Zero columns of Q and K add nothing to the scores.
-        pad = v_dim - key.shape[-1]
-        query = torch.nn.functional.pad(query, (0, pad))
-        key = torch.nn.functional.pad(key, (0, pad))
-    out = longdoc.attention(query, key, value, cp, causal=True, scale=scaling, strategy=handle.strategy)
+    query, key, value = pad_head_dims(query, key, value)
+    session = handle.session
+    if session is None:
+        out = attention(query, key, value, handle.cp, causal=True, scale=scaling, strategy=handle.strategy)
+    elif session.mode == "prefill":
+        out = attention(query, key, value, session.cp, causal=True, scale=scaling, strategy=session.strategy)
+    else:
+        out = decode.extend_attention(query, key, value, session.cp, scaling, session.appending)
     handle.attention_calls += 1
-    # (batch, q_heads, local_len, head_dim) -> (batch, local_len, q_heads, v_dim), what HF modules expect
+    # (batch, q_heads, len, head_dim) -> (batch, len, q_heads, v_dim), what HF modules expect
     return out[..., :v_dim].transpose(1, 2).contiguous(), None
 
 

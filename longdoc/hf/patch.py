@@ -5,11 +5,13 @@
     model(**local).loss.backward()            # loss = this rank's share; sum over CP = single-device mean
 
 What patch does, all of it undoable with `unpatch(model)`:
-  - registers "longdoc_cp" with AttentionInterface and AttentionMaskInterface (never replacing a name)
-    and sets it as the model's attention implementation: the model's own modules run unchanged;
+  - switches the model to the "longdoc_cp" backend (longdoc.hf.attention registers it, never replacing
+    a name): the model's own modules run unchanged;
   - puts a `CPHandle` (the cp group and the ring strategy) on the model's modules, where the
     attention function finds it: no globals, so several patched models and groups coexist;
   - replaces the causal-LM loss with the CP share (sum of token losses / global token count);
+  - routes `model.generate(...)` through the CP KV session (longdoc.hf.session.generate) for the
+    arguments the session supports, and refuses the others naming `longdoc.hf.generate(model, cp, ...)`;
   - adds a forward pre-hook that checks, once per call and before any communication, what only the
     whole call shows (positions, labels, padding, RoPE scaling), and a post-hook that checks every
     decoder layer's attention really went through the CP path.
@@ -24,84 +26,23 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from longdoc.hf import attention as cp_attn
-from longdoc.hf.attention import CPHandle, UnsupportedFeatureError, refuse
+from longdoc.hf import attention as backend
+from longdoc.hf import session as sessions
+from longdoc.hf.attention import (
+    CPHandle,
+    UnsupportedFeatureError,
+    check_config,
+    hf_model,
+    model_name,
+    refuse,
+    rope_limit,
+)
 from longdoc.parallel import comm
 from longdoc.parallel import layout as layouts
-from longdoc.parallel.api import STRATEGIES, ContextParallel
+from longdoc.parallel.api import ContextParallel, check_strategy
+from longdoc.parallel.batch import CPInputError
 
 __all__ = ["patch", "unpatch", "is_patched", "UnsupportedFeatureError", "CPInputError"]
-
-# Layer kinds whose attention is plain causal (sliding windows are checked against the length per call);
-# the MLP kinds carry no attention at all.
-_SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention", "dense", "sparse", "moe"}
-
-
-def hf_model(model: torch.nn.Module):
-    """The transformers PreTrainedModel in `model` (itself, or the one inside e.g. a PEFT wrapper)."""
-    from transformers import PreTrainedModel
-
-    for m in model.modules():  # the model itself first, then e.g. the model inside a PEFT wrapper
-        if isinstance(m, PreTrainedModel):
-            return m
-    raise TypeError(f"longdoc.patch needs a transformers PreTrainedModel (or a wrapper holding one), "
-                    f"got {type(model).__name__}")
-
-
-def model_name(hf) -> str:
-    """How errors name a model: its class and, when known, where it was loaded from."""
-    path = getattr(hf.config, "_name_or_path", "") or ""
-    return f"{type(hf).__name__} ({path})" if path else type(hf).__name__
-
-
-def _configs(config) -> list:
-    out = [config]
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if text is not config:
-        out.append(text)
-    return out
-
-
-def check_config(config, name: str) -> None:
-    """Refuse, by name, config features that make attention differ from plain causal SDPA."""
-    for c in _configs(config):
-        if not getattr(c, "is_causal", True) or getattr(c, "use_bidirectional_attention", False):
-            raise refuse(name, "non-causal (bidirectional) attention",
-                         "context parallelism here covers causal language models only")
-        if getattr(c, "attn_logit_softcapping", None) is not None:
-            raise refuse(name, f"attention logit soft-capping (attn_logit_softcapping={c.attn_logit_softcapping})",
-                         "set config.attn_logit_softcapping = None only if you accept a different model")
-        if (getattr(c, "alibi", False) or getattr(c, "position_embedding_type", None) == "alibi"
-                or getattr(c, "model_type", None) in ("bloom", "mpt")):
-            raise refuse(name, "ALiBi position biases", "use a RoPE or absolute-position model")
-        if getattr(c, "attention_chunk_size", None) is not None:
-            raise refuse(name, f"chunked local attention (attention_chunk_size={c.attention_chunk_size})",
-                         "use a model with full causal attention")
-        kinds = sorted(set(getattr(c, "layer_types", None) or ()) - _SUPPORTED_LAYER_TYPES)
-        if kinds:
-            raise refuse(name, f"layers of type {', '.join(map(repr, kinds))}",
-                         "only full (and long-enough sliding-window) causal attention layers are supported")
-        if getattr(c, "output_router_logits", False):
-            raise refuse(name, "the MoE router auxiliary loss (output_router_logits=True)",
-                         "it is a non-linear function of whole-sequence router statistics; "
-                         "set config.output_router_logits = False")
-
-
-def rope_limit(config) -> tuple[str, int] | None:
-    """(rope_type, length limit) for RoPE scalings that pick frequencies from the largest position id in
-    the call: under CP each rank sees different positions, so they agree only below the limit."""
-    for c in _configs(config):
-        params = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
-        per_layer = [p for p in params.values() if isinstance(p, dict)] or [params]
-        for p in per_layer:
-            kind = p.get("rope_type", p.get("type")) or "default"
-            if "dynamic" in kind:
-                return kind, int(c.max_position_embeddings)
-            if kind == "longrope":
-                return kind, int(p.get("original_max_position_embeddings")
-                                 or getattr(c, "original_max_position_embeddings", c.max_position_embeddings))
-    return None
-
 
 def _cp_loss(handle: CPHandle, logits: torch.Tensor, labels: torch.Tensor | None, vocab_size: int,
              num_items_in_batch: torch.Tensor | int | None = None, ignore_index: int = -100,
@@ -134,10 +75,6 @@ class _Input(tuple):
         return super().__new__(cls, (what, fix))
 
 
-class CPInputError(ValueError):
-    """Inputs a patched model cannot run exactly under CP (build them with cp.shard_batch)."""
-
-
 def _raise(handle: CPHandle, problem: tuple[str, str]):
     if isinstance(problem, _Input):
         raise CPInputError(f"longdoc.patch: {handle.model_name} was called with {problem[0]} under context "
@@ -157,7 +94,9 @@ def _call_problem(handle: CPHandle, call: dict) -> tuple[str, str] | None:
         return None  # the model itself raises its own clear error
     cache = call.get("cache", call.get("past_key_values"))
     if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
-        return ("a filled KV cache", "decoding under CP is not supported; pass use_cache=False (prefill only)")
+        return ("a filled KV cache", "a plain forward under CP runs without one (use_cache=False); to decode, "
+                "call longdoc.hf.generate(model, cp, input_ids, max_new_tokens) or model.generate, which routes "
+                "there")
     local_len = x.shape[1]
     chunks = len(layouts.chunk_ids(cp.layout, 0, cp.size))
     if local_len % chunks:
@@ -209,9 +148,11 @@ def _vocab_problem(module, call: dict) -> _Input | None:
 
 
 def _pre_forward(handle: CPHandle, signature: inspect.Signature, module, args, kwargs):
+    if handle.session is not None:
+        return None  # a KVSession's own call: it checked its inputs (or the caller ran a plain reference)
     cp = handle.cp
     if cp is None:
-        cp_attn.handle_of(module)  # raises: unpickled or unpatched model
+        backend.handle_of(module)  # raises: unpickled or unpatched model
     handle.attention_calls = 0
     handle.loss_calls = 0
     call = signature.bind_partial(*args, **kwargs).arguments
@@ -249,17 +190,83 @@ def _pre_forward(handle: CPHandle, signature: inspect.Signature, module, args, k
 
 
 def _post_forward(handle: CPHandle, n_layers: int, module, args, kwargs, output):
-    if handle.attention_calls < n_layers:
-        raise RuntimeError(
-            f"longdoc.patch: only {handle.attention_calls} of {n_layers} layers of {handle.model_name} ran their "
-            f"attention through the CP path; the model does not dispatch attention through transformers' "
-            f"AttentionInterface everywhere, so its outputs are NOT context-parallel-exact"
-        )
+    if handle.session is not None:
+        return None  # the session checks its own calls
+    backend.check_all_layers(handle, n_layers)
     loss = getattr(output, "loss", None)
     if loss is not None and handle.loss_calls == 0:
         raise RuntimeError(f"longdoc.patch: {handle.model_name} computed its loss without model.loss_function, "
                            f"so the CP loss share was bypassed; compute the loss from local logits yourself")
     return None
+
+
+# ---- model.generate on a patched model: routed through the CP KV session ----
+
+_GENERATE_ARGS = ("input_ids", "max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "eos_token_id",
+                  "pad_token_id", "attention_mask", "use_cache")
+_HARMLESS = {"num_beams": 1, "num_return_sequences": 1, "return_dict_in_generate": False}  # the defaults
+GENERATE_CALL = ("longdoc.hf.generate(model, cp, input_ids, max_new_tokens, eos_token_id=..., do_sample=..., "
+                 "temperature=..., top_p=..., top_k=..., seed=...)")
+
+
+def _generate_call(hf, args: tuple, kwargs: dict) -> tuple[dict, str | None]:
+    """The call's arguments by name, and what in them the CP session cannot run (or None)."""
+    call = dict(kwargs)
+    if "inputs" in call:
+        call["input_ids"] = call.pop("inputs")
+    if args:
+        if len(args) > 1 or "input_ids" in call:
+            return call, f"{len(args)} positional argument(s) besides the keyword ones"
+        call["input_ids"] = args[0]
+    extra = sorted(k for k, v in call.items()
+                   if k not in _GENERATE_ARGS and v is not None and _HARMLESS.get(k, object()) != v)
+    if extra:
+        return call, f"the argument(s) {', '.join(extra)}"
+    ids = call.get("input_ids")
+    if not torch.is_tensor(ids) or ids.dim() != 2 or ids.is_floating_point() or ids.shape[1] == 0:
+        return call, "no (batch, len) integer input_ids"
+    if call.get("max_new_tokens") is None and getattr(hf.generation_config, "max_new_tokens", None) is None:
+        return call, "no max_new_tokens"
+    mask = call.get("attention_mask")
+    if mask is not None and not bool(torch.as_tensor(mask).all()):
+        return call, "an attention_mask with padding (prompts of unequal length)"
+    return call, None
+
+
+def _generate(handle: CPHandle, hf, *args, **kwargs) -> torch.Tensor:
+    """`model.generate(...)` for a patched model: prompt + new ids (batch, len + new), like transformers'."""
+    if handle.cp is None:
+        backend.handle_of(hf)  # raises: unpickled model
+    cp = handle.cp
+    call, problem = _generate_call(hf, args, kwargs)
+    if cp.size > 1 and cp.check_agreement:
+        device = call["input_ids"].device if torch.is_tensor(call.get("input_ids")) else torch.device("cpu")
+        bad = [r for r, m in enumerate(comm.agree([problem is not None], cp.group, cp.timeout,
+                                                    cp.comm_device(device))) if m[0]]
+        if problem is None and bad:
+            problem = f"arguments CP rank {bad[0]} cannot run (its error says which)"
+    if problem is not None:
+        raise CPInputError(f"longdoc.patch: model.generate on {handle.model_name} under context parallelism got "
+                           f"{problem}; it supports {', '.join(_GENERATE_ARGS)} (attention_mask all ones, the same "
+                           f"prompt on every rank). For anything else call {GENERATE_CALL}")
+    config = hf.generation_config
+
+    def pick(name: str):
+        value = call.get(name)
+        return getattr(config, name, None) if value is None else value
+
+    ids, sample = call["input_ids"], bool(pick("do_sample"))
+    eos, pad = pick("eos_token_id"), pick("pad_token_id")
+    out = sessions.generate(hf, cp, ids, int(pick("max_new_tokens")), eos_token_id=eos, do_sample=sample,
+                            temperature=(pick("temperature") or 1.0) if sample else 1.0,
+                            top_p=(pick("top_p") or 1.0) if sample else 1.0,
+                            top_k=(pick("top_k") or None) if sample else None, strategy=handle.strategy)
+    tokens = out.tokens.to(ids.device)
+    if eos is not None and pad is not None:
+        # transformers fills a finished row with pad_token_id after its EOS (the session repeats the EOS)
+        is_eos = torch.isin(tokens, torch.as_tensor(eos, device=tokens.device).reshape(-1))
+        tokens = tokens.masked_fill(is_eos.cumsum(dim=1) - is_eos.long() > 0, int(pad))
+    return torch.cat([ids, tokens], dim=1)
 
 
 def patch(model: torch.nn.Module, cp: ContextParallel, *, strategy: str = "ring") -> torch.nn.Module:
@@ -271,29 +278,21 @@ def patch(model: torch.nn.Module, cp: ContextParallel, *, strategy: str = "ring"
     """
     if not isinstance(cp, ContextParallel):
         raise TypeError(f"cp must be a longdoc.ContextParallel, got {type(cp).__name__}")
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))}, got {strategy!r}")
+    check_strategy(strategy)
     hf = hf_model(model)
     if is_patched(hf):
         unpatch(hf)
     name = model_name(hf)
     check_config(hf.config, name)
-    if not type(hf)._can_set_attn_implementation():
-        raise refuse(name, "attention code that does not go through transformers' AttentionInterface",
-                     "only models whose attention modules call ALL_ATTENTION_FUNCTIONS can be patched")
-    cp_attn.register()
     original = hf.config._attn_implementation
-    hf.set_attn_implementation(cp_attn.NAME)
-    if hf.config._attn_implementation != cp_attn.NAME:
-        raise refuse(name, "an attention implementation that cannot be switched",
-                     "load the model with attn_implementation='sdpa' and patch again")
+    backend.set_implementation(hf, backend.NAME)
     handle = CPHandle(cp, strategy, name, hf.config)
-    for m in hf.modules():
-        m._longdoc_cp = handle
+    backend.attach(hf, handle)
     had_loss = "_loss_function" in hf.__dict__
     old_loss = hf.__dict__.get("_loss_function")
     hf.loss_function = functools.partial(_cp_loss, handle)
-    n_layers = int(getattr(hf.config.get_text_config(), "num_hidden_layers", 1) or 1)
+    hf.generate = functools.partial(_generate, handle, hf)  # model.generate decodes through the CP session
+    n_layers = backend.num_layers(hf.config)
     hf.register_forward_pre_hook(functools.partial(_pre_forward, handle, inspect.signature(hf.forward)),
                                  with_kwargs=True)
     hf.register_forward_hook(functools.partial(_post_forward, handle, n_layers), with_kwargs=True)
@@ -302,7 +301,8 @@ def patch(model: torch.nn.Module, cp: ContextParallel, *, strategy: str = "ring"
 
 
 def is_patched(model: torch.nn.Module) -> bool:
-    return getattr(hf_model(model), "_longdoc_cp", None) is not None
+    handle = getattr(hf_model(model), "_longdoc_cp", None)
+    return handle is not None and handle.patched
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
@@ -318,11 +318,12 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
             hooks.pop(key)
             hf._forward_hooks_with_kwargs.pop(key, None)
             hf._forward_pre_hooks_with_kwargs.pop(key, None)
-    for m in hf.modules():
-        m.__dict__.pop("_longdoc_cp", None)
+    backend.attach(hf, None)
+    if getattr(hf.__dict__.get("generate"), "func", None) is _generate:
+        del hf.__dict__["generate"]
     if had_loss:
         hf._loss_function = old_loss
     else:
         hf.__dict__.pop("_loss_function", None)
-    hf.set_attn_implementation(original)
+    backend.set_implementation(hf, original)
     return model

@@ -20,12 +20,38 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass
+from typing import NamedTuple
 
-_TOLERANCES = {  # (logits: max abs err / max |logit|, loss: abs err, grads: max over tensors of max abs err / max |g|)
-    "float64": (1e-9, 1e-9, 1e-8),
-    "float32": (1e-4, 1e-4, 1e-3),
+from longdoc.parallel.api import STRATEGIES
+from longdoc.parallel.layout import LAYOUTS
+
+
+class Errors(NamedTuple):
+    """One comparison's errors (a plain list of the four numbers reads the same)."""
+
+    logits_abs: float  # logits max abs err
+    logits_rel: float  # logits max abs err / max |reference logit|
+    loss_abs: float  # loss abs err
+    grads_rel: float  # max over tensors of max abs err / max |reference grad|
+
+
+class Tolerance(NamedTuple):
+    """Bounds on the judged errors."""
+
+    logits_rel: float
+    loss_abs: float
+    grads_rel: float
+
+
+_JUDGED = Tolerance._fields  # the Errors fields the verdict bounds
+_ROW_NAMES = {"logits_abs": "logits max abs err", "logits_rel": "logits err / max |logit|",
+              "loss_abs": "loss abs err", "grads_rel": "grads max rel err"}
+
+_TOLERANCES = {
+    "float64": Tolerance(1e-9, 1e-9, 1e-8),
+    "float32": Tolerance(1e-4, 1e-4, 1e-3),
 }
-_LOW_PRECISION_FLOOR = {"bfloat16": (5e-3, 5e-3, 1e-2), "float16": (1e-3, 1e-3, 2e-3)}
+_LOW_PRECISION_FLOOR = {"bfloat16": Tolerance(5e-3, 5e-3, 1e-2), "float16": Tolerance(1e-3, 1e-3, 2e-3)}
 
 
 @dataclass(frozen=True)
@@ -51,8 +77,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence (any length)")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
-    p.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
-    p.add_argument("--strategy", default="ring", choices=["ring", "allgather"])
+    p.add_argument("--layout", default="zigzag", choices=LAYOUTS)
+    p.add_argument("--strategy", default="ring", choices=STRATEGIES)
     p.add_argument("--seed", type=int, default=0, help="seed of the random tokens (and of random init)")
     p.add_argument("--text", default=None, metavar="FILE",
                    help="tokenize this text file (repeated to --seq-len) instead of using random tokens")
@@ -143,8 +169,8 @@ def _step(model, batch: dict):
     return out.logits.detach(), out.loss.detach(), grads
 
 
-def _errors(logits, loss, grads, ref_logits, ref_loss, ref_grads) -> list[float]:
-    """[logits max abs err, logits err / max |ref logit|, loss abs err, grads max normalized err]."""
+def _errors(logits, loss, grads, ref_logits, ref_loss, ref_grads) -> Errors:
+    """The errors of (logits, loss, grads) against the reference ones."""
     d = (logits.double() - ref_logits.double()).abs()
     scale = ref_logits.double().abs().max().clamp_min(1e-30)
     logit_abs = d.max().item() if d.numel() else 0.0
@@ -153,7 +179,7 @@ def _errors(logits, loss, grads, ref_logits, ref_loss, ref_grads) -> list[float]
         mine = grads.get(name)
         diff = (g.double() if mine is None else mine.double() - g.double()).abs().max()
         grad_rel = max(grad_rel, (diff / g.double().abs().max().clamp_min(1e-30)).item())
-    return [logit_abs, logit_abs / scale.item(), abs(loss.item() - ref_loss.item()), grad_rel]
+    return Errors(logit_abs, logit_abs / scale.item(), abs(loss.item() - ref_loss.item()), grad_rel)
 
 
 def _rank(rank: int, world_size: int, spec: Spec) -> dict | None:
@@ -162,15 +188,15 @@ def _rank(rank: int, world_size: int, spec: Spec) -> dict | None:
     import torch
     import torch.distributed as dist
 
-    import longdoc
     from longdoc.hf import patch, unpatch
     from longdoc.parallel import layout as layouts
+    from longdoc.parallel.api import ContextParallel
 
     dtype = getattr(torch, spec.dtype)
     model = _load(spec, dtype).eval()  # eval: no dropout anywhere; gradients still flow
     ids = _tokens(spec, model.get_input_embeddings().weight.shape[0])
     full = {"input_ids": ids, "labels": ids}
-    cp = longdoc.ContextParallel(layout=spec.layout, timeout=spec.timeout)
+    cp = ContextParallel(layout=spec.layout, timeout=spec.timeout)
 
     patch(model, cp, strategy=spec.strategy)
     logits, loss, grads = _step(model, cp.shard_batch(full))
@@ -207,20 +233,20 @@ def _rank(rank: int, world_size: int, spec: Spec) -> dict | None:
 
 # ---- verdict ----
 
-_ROWS = ("logits max abs err", "logits err / max |logit|", "loss abs err", "grads max rel err")
+_ROWS = tuple(_ROW_NAMES[f] for f in Errors._fields)
 
 
 def verdict(spec: Spec, result: dict) -> tuple[bool, list[tuple[str, float, float]]]:
-    """(passed, [(check, error, tolerance)]) for the three judged quantities."""
-    judged = [1, 2, 3]  # rows: logits relative, loss, grads
+    """(passed, [(check, error, tolerance)]) for the judged quantities (the Tolerance fields)."""
     if spec.dtype in _TOLERANCES:
         tol = _TOLERANCES[spec.dtype]
-        errs = [result["cp_vs_single"][i] for i in judged]
+        errs = Errors(*result["cp_vs_single"])
     else:
         floor = _LOW_PRECISION_FLOOR[spec.dtype]
-        errs = [result["cp_vs_fp64"][i] for i in judged]
-        tol = [2 * result["single_vs_fp64"][i] + f for i, f in zip(judged, floor)]
-    rows = [(_ROWS[i], e, t) for i, e, t in zip(judged, errs, tol)]
+        errs = Errors(*result["cp_vs_fp64"])
+        single = Errors(*result["single_vs_fp64"])
+        tol = Tolerance(*(2 * getattr(single, f) + getattr(floor, f) for f in _JUDGED))
+    rows = [(_ROW_NAMES[f], getattr(errs, f), getattr(tol, f)) for f in _JUDGED]
     return all(e <= t for _, e, t in rows), rows
 
 

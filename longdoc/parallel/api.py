@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import datetime
-from typing import Literal, get_args
+from typing import Literal, NamedTuple, get_args
 
 import torch
 import torch.distributed as dist
 
+from longdoc.parallel import batch as batches
 from longdoc.parallel import comm, kernels
 from longdoc.parallel import layout as layouts
 from longdoc.parallel.allgather import allgather_attention
@@ -35,7 +36,8 @@ class ContextParallel:
         timeout: seconds (or timedelta) any CP communication may wait before raising.
         kernel: force a block kernel by name (see longdoc.parallel.kernels.KERNELS); None selects.
         check_agreement: before exchanging data, check cheaply that all ranks pass the same
-            shapes/dtypes (gloo would otherwise deliver garbage on a mismatch).
+            shapes/dtypes (gloo would otherwise deliver garbage on a mismatch), and in shard_batch that
+            they hold the same batch content (checksums).
     """
 
     def __init__(self, group=None, layout: str = "zigzag", *, timeout: float | datetime.timedelta | None = None,
@@ -85,10 +87,9 @@ class ContextParallel:
         return layouts.positions(seq_len, self.rank, self.size, self.layout, device=device)
 
     def shard_batch(self, batch: dict, **kwargs) -> dict:
-        """Full batch dict (input_ids, labels?, attention_mask?) -> this rank's local batch."""
-        from longdoc.hf.batch import shard_batch
-
-        return shard_batch(batch, self, **kwargs)
+        """Full batch dict (input_ids, labels?, attention_mask?) -> this rank's local batch, after checking
+        that every rank of the group holds the same batch (see longdoc.parallel.batch)."""
+        return batches.shard_batch(batch, self, **kwargs)
 
     def comm_device(self, like: torch.device) -> torch.device:
         if self.group is not None and dist.get_backend(self.group) == dist.Backend.NCCL:
@@ -115,33 +116,59 @@ class _Gather(torch.autograd.Function):
 _DTYPE_IDS = {dt: i for i, dt in enumerate((torch.float16, torch.bfloat16, torch.float32, torch.float64))}
 
 
-def _meta(q, k, v, causal: bool, strategy: str) -> list[int]:
-    def dims(t):
-        return [t.dim()] + (list(t.shape) + [0, 0, 0, 0])[:4]
+class _Dims(NamedTuple):
+    ndim: int
+    shape: tuple[int, int, int, int]  # (batch, heads, local_len, head_dim) when 4-D
 
-    same_device = int(q.device == k.device == v.device)
-    return [*dims(q), *dims(k), *dims(v), *(_DTYPE_IDS.get(t.dtype, -1) for t in (q, k, v)),
-            same_device, int(causal), STRATEGIES.index(strategy)]
+    @classmethod
+    def of(cls, t: torch.Tensor) -> _Dims:
+        return cls(t.dim(), tuple((list(t.shape) + [0, 0, 0, 0])[:4]))
 
 
-def _describe(meta: list[int]) -> str:
+class _Meta(NamedTuple):
+    """One rank's attention inputs, as every rank sees them (packs to a list of ints for comm.agree)."""
+
+    q: _Dims
+    k: _Dims
+    v: _Dims
+    dtypes: tuple[int, int, int]  # _DTYPE_IDS of q, k, v; -1 unsupported
+    same_device: int
+    causal: int
+    strategy: int
+
+    @classmethod
+    def of(cls, q, k, v, causal: bool, strategy: str) -> _Meta:
+        return cls(_Dims.of(q), _Dims.of(k), _Dims.of(v), tuple(_DTYPE_IDS.get(t.dtype, -1) for t in (q, k, v)),
+                   int(q.device == k.device == v.device), int(causal), STRATEGIES.index(strategy))
+
+    def pack(self) -> list[int]:
+        return [*(i for d in (self.q, self.k, self.v) for i in (d.ndim, *d.shape)), *self.dtypes,
+                self.same_device, self.causal, self.strategy]
+
+    @classmethod
+    def unpack(cls, ints: list[int]) -> _Meta:
+        dims = [_Dims(ints[i], tuple(ints[i + 1:i + 5])) for i in (0, 5, 10)]
+        return cls(*dims, tuple(ints[15:18]), *ints[18:21])
+
+
+def _describe(meta: _Meta) -> str:
     names = {i: str(dt).removeprefix("torch.") for dt, i in _DTYPE_IDS.items()}
-    q, k, v = meta[1:5], meta[6:10], meta[11:15]
-    dt = [names.get(i, "unsupported") for i in meta[15:18]]
-    return f"q {tuple(q)} {dt[0]}, k {tuple(k)} {dt[1]}, v {tuple(v)} {dt[2]}, causal={bool(meta[19])}"
+    dt = [names.get(i, "unsupported") for i in meta.dtypes]
+    return (f"q {meta.q.shape} {dt[0]}, k {meta.k.shape} {dt[1]}, v {meta.v.shape} {dt[2]}, "
+            f"causal={bool(meta.causal)}")
 
 
-def _problem(meta: list[int], layout: str, world_size: int) -> str | None:
+def _problem(meta: _Meta, layout: str, world_size: int) -> str | None:
     """What is wrong with one rank's attention inputs, or None."""
-    if meta[0] != 4 or meta[5] != 4 or meta[10] != 4:
-        return (f"q, k and v must be 4-D (batch, heads, local_len, head_dim); got {meta[0]}-D, {meta[5]}-D "
-                f"and {meta[10]}-D tensors (transpose (batch, len, heads, dim) inputs with .transpose(1, 2))")
-    (bq, hq, lq, dq), (bk, hk, lk, dk), (bv, hv, lv, dv) = meta[1:5], meta[6:10], meta[11:15]
-    if min(meta[15:18]) < 0:
+    if meta.q.ndim != 4 or meta.k.ndim != 4 or meta.v.ndim != 4:
+        return (f"q, k and v must be 4-D (batch, heads, local_len, head_dim); got {meta.q.ndim}-D, {meta.k.ndim}-D "
+                f"and {meta.v.ndim}-D tensors (transpose (batch, len, heads, dim) inputs with .transpose(1, 2))")
+    (bq, hq, lq, dq), (bk, hk, lk, dk), (bv, hv, lv, dv) = meta.q.shape, meta.k.shape, meta.v.shape
+    if min(meta.dtypes) < 0:
         return "q, k and v must be float16, bfloat16, float32 or float64 tensors"
-    if len(set(meta[15:18])) != 1:
+    if len(set(meta.dtypes)) != 1:
         return f"q, k and v must have one dtype; got {_describe(meta)} (cast them to q's dtype)"
-    if not meta[18]:
+    if not meta.same_device:
         return "q, k and v must be on the same device"
     if (bk, hk, lk, dk) != (bv, hv, lv, dv):
         return f"k and v must have the same shape; got {_describe(meta)}"
@@ -164,11 +191,11 @@ def _problem(meta: list[int], layout: str, world_size: int) -> str | None:
 
 def _validate(q, k, v, cp: ContextParallel, causal: bool, strategy: str) -> None:
     check_strategy(strategy)
-    meta = _meta(q, k, v, causal, strategy)
+    meta = _Meta.of(q, k, v, causal, strategy)
     if cp.size == 1 or not cp.check_agreement:
         metas = [meta]
     else:
-        metas = comm.agree(meta, cp.group, cp.timeout, cp.comm_device(q.device))
+        metas = [_Meta.unpack(m) for m in comm.agree(meta.pack(), cp.group, cp.timeout, cp.comm_device(q.device))]
     for rank, m in enumerate(metas):
         problem = _problem(m, cp.layout, cp.size)
         if problem:

@@ -58,7 +58,7 @@ def _ids(seed: int, batch: int, length: int) -> torch.Tensor:
 def _worker(rank: int, world: int) -> dict:
     import longdoc
     from longdoc.eval.scoring import answer_score
-    from longdoc.hf.generate import KVSession, generate
+    from longdoc.hf.session import KVSession, generate
     from longdoc.models import tiny_model
 
     cp = longdoc.ContextParallel(timeout=60)
@@ -93,12 +93,13 @@ def _worker(rank: int, world: int) -> dict:
             hf.set_attn_implementation("sdpa")
             ref_tokens, ref_logits = reference_greedy(hf, torch.cat([doc, q], 1), 10)
             ref_nll, ref_argmax = reference_nll(hf, torch.cat([doc, q], 1), a)
-            hf.set_attn_implementation(longdoc.hf.generate.NAME)
+            hf.set_attn_implementation(longdoc.hf.attention.NAME)
             out[f"qa{j}"] = dict(tokens=gen.tokens.tolist(), ref_tokens=ref_tokens.tolist(),
                                  logits_err=float((gen.logits - ref_logits).abs().max()),
                                  nll=score.nll, ref_nll=ref_nll, argmax_tokens=score.argmax_tokens,
                                  ref_argmax_tokens=int((ref_argmax == a[0]).sum()))
     out["repatched"] = (longdoc.hf.is_patched(model), model.config._attn_implementation)
+    out.update(_sampling_and_model_generate(rank, world, cp))
     out.update(_eval_pipeline(cp))
 
     # Ranks that disagree (a bug in the caller) all get the same clear error instead of hanging.
@@ -109,6 +110,43 @@ def _worker(rank: int, world: int) -> dict:
             out["disagree"] = "no error"
         except ValueError as e:
             out["disagree"] = str(e)
+    return out
+
+
+def _sampling_and_model_generate(rank: int, world: int, cp) -> dict:
+    """Seeded sampling and a patched model's model.generate at cp=2, against the same calls at cp=1."""
+    import torch.distributed as dist
+
+    import longdoc
+    from longdoc.models import tiny_model
+
+    singles = [dist.new_group([r]) for r in range(world)]  # every rank must create every group
+    cp1 = longdoc.ContextParallel(singles[rank], timeout=60)
+    model = tiny_model("llama", seed=11).eval()
+    ids = _ids(200, 2, 301)
+    out = {}
+    settings = [dict(temperature=0.7, seed=1), dict(top_p=0.9, seed=2), dict(top_k=20, temperature=1.3, seed=3)]
+    for j, kw in enumerate(settings):
+        two = longdoc.hf.generate(model, cp, ids, 12, do_sample=True, **kw).tokens
+        one = longdoc.hf.generate(model, cp1, ids, 12, do_sample=True, **kw).tokens
+        other_seed = longdoc.hf.generate(model, cp1, ids, 12, do_sample=True, **{**kw, "seed": kw["seed"] + 10})
+        out[f"sample{j}"] = (two.tolist(), one.tolist(), other_seed.tokens.tolist())
+    ref = model.generate(ids, max_new_tokens=8, do_sample=False)  # transformers' own loop, unpatched
+    torch.manual_seed(5)  # model.generate samples from torch's global generator; rank 0's draw decides
+    ref_sample = longdoc.hf.generate(model, cp1, ids, 8, do_sample=True, top_k=50).tokens
+    for name, group in (("cp2", cp), ("cp1", cp1)):
+        longdoc.patch(model, group)
+        greedy = model.generate(ids, max_new_tokens=8, attention_mask=torch.ones_like(ids))
+        torch.manual_seed(5)
+        sampled = model.generate(input_ids=ids, max_new_tokens=8, do_sample=True, top_k=50)
+        try:
+            model.generate(ids, max_new_tokens=8, num_beams=2)
+            refused = "no error"
+        except ValueError as e:
+            refused = str(e)
+        longdoc.hf.unpatch(model)
+        out[f"model.generate-{name}"] = (greedy.tolist(), ref.tolist(), sampled[:, 301:].tolist(),
+                                         ref_sample.tolist(), refused)
     return out
 
 
@@ -198,6 +236,23 @@ def test_position_loss_matches_single_process(results):
 def test_disagreeing_ranks_raise_everywhere(results):
     for res in results:
         assert "CP ranks disagree" in res["disagree"] and "rank 1: ids (1, 3)" in res["disagree"]
+
+
+@pytest.mark.parametrize("case", ["sample0", "sample1", "sample2"])
+def test_seeded_sampling_is_the_same_at_cp2_and_cp1_and_on_every_rank(results, case):
+    two, one, other_seed = results[0][case]
+    assert two == one, f"cp=2 sampled {two}, cp=1 {one}"
+    assert results[1][case][0] == two, "the ranks sampled different tokens"
+    assert other_seed != one, "another seed should sample other tokens"
+
+
+@pytest.mark.parametrize("cp", ["cp1", "cp2"])
+def test_patched_model_generate_routes_through_the_cp_session(results, cp):
+    for res in results:
+        greedy, ref, sampled, ref_sample, refused = res[f"model.generate-{cp}"]
+        assert greedy == ref, "a patched model's model.generate differs from transformers' greedy decoding"
+        assert sampled == ref_sample
+        assert "num_beams" in refused and "longdoc.hf.generate(model, cp, input_ids, max_new_tokens" in refused
 
 
 def test_patched_model_is_repatched(results):

@@ -186,6 +186,7 @@ def _rank_main(rank: int, world_size: int) -> dict:
         out["groups"] = _rank_two_groups(rank, world_size)
     else:
         out["prefill"] = _rank_prefill(rank, world_size)
+        out["content"] = _rank_content(rank, world_size)
         out["disagree"] = _rank_disagree(rank, world_size)  # last: it leaves the ranks after an error
     return out
 
@@ -236,3 +237,59 @@ def test_bad_input_on_one_rank_fails_everywhere(ranks):
         pytest.skip("runs in the 2-rank spawn")
     assert "position_ids that are not this rank's global positions" in results[1]["disagree"]
     assert "CP rank 1 rejected" in results[0]["disagree"]
+
+
+# ---- content agreement: ranks of one CP group must hold the same batch ----
+
+def _rank_content(rank: int, world_size: int) -> dict[str, str]:
+    """Rank 1 changes one field of an otherwise identical batch; every rank must raise the same error."""
+    import longdoc
+
+    cp = longdoc.ContextParallel(timeout=20)
+    base = _batch(CASES[2])  # batch 2, right-padded: input_ids, labels, attention_mask
+    variants = {"same": {}, "ids": {"input_ids": 1}, "labels": {"labels": 1}, "mask": {"attention_mask": 1},
+                "shape": {"extra": 1}}
+    out = {}
+    for name, change in variants.items():
+        batch = {k: v.clone() for k, v in base.items()}
+        if rank == 1 and "input_ids" in change:
+            batch["input_ids"][1, 5] += 1  # same shape, one token different
+        if rank == 1 and "labels" in change:
+            batch["labels"][0, 7] = -100
+        if rank == 1 and "attention_mask" in change:
+            batch["attention_mask"][1, 25:] = 0  # still right padding, a shorter second row
+        if rank == 1 and "extra" in change:
+            batch = {k: v[:, :40] for k, v in batch.items()}
+        try:
+            local = cp.shard_batch(batch)
+            out[name] = f"ok {tuple(local['input_ids'].shape)}"
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            out[name] = f"{type(e).__name__}: {e}"
+    unchecked = longdoc.ContextParallel(timeout=20, check_agreement=False)
+    batch = {k: v.clone() for k, v in base.items()}
+    batch["input_ids"][0, 0] += rank
+    out["unchecked"] = f"ok {tuple(unchecked.shard_batch(batch)['input_ids'].shape)}"
+    return out
+
+
+def _named(error: str) -> str:
+    """The fields an agreement error names: '... different batches: <fields> differ(s) between ...'."""
+    return error.split("different batches: ", 1)[1].split(" differ", 1)[0]
+
+
+def test_ranks_holding_different_batches_all_raise_the_same_error(ranks):
+    world_size, results = ranks
+    if world_size != 2:
+        pytest.skip("runs in the 2-rank spawn")
+    r0, r1 = (r["content"] for r in results)
+    assert r0["same"] == r1["same"] == "ok (2, 22)"
+    assert r0["unchecked"] == r1["unchecked"] == "ok (2, 22)"
+    for case, field in (("ids", "input_ids"), ("labels", "labels"), ("mask", "attention_mask"),
+                        ("shape", "input_ids")):
+        assert r0[case] == r1[case], f"{case}: the ranks raised different errors:\n{r0[case]}\n{r1[case]}"
+        assert r0[case].startswith("CPInputError: cp.shard_batch: the CP ranks hold different batches: "), r0[case]
+        assert field in _named(r0[case]), r0[case]
+        assert "sample per data-parallel replica, not per rank" in r0[case]
+    assert _named(r0["ids"]) == "input_ids" and _named(r0["labels"]) == "labels"
+    assert _named(r0["mask"]) == "attention_mask"
+    assert "input_ids rank 0: (2, 43) int64, rank 1: (2, 40) int64" in r0["shape"]

@@ -1,0 +1,141 @@
+"""Decoding mathematics under context parallelism: the sharded KV cache, attention of new tokens over
+every rank's cache shard, and the token choice (greedy or seeded sampling). No transformers registry and
+no model handling here: longdoc.hf.attention dispatches to `extend_attention`, longdoc.hf.session runs
+the calls.
+
+How a decode step works (every rank runs the same calls, in lockstep):
+  prefill   the prompt is padded to cp.multiple and sharded by cp's layout; attention is the exact CP
+            attention, and each layer's cache keeps this rank's K/V (the padding's K/V are dropped after).
+  extend    new tokens are computed on every rank (replicated: they are few), with their TRUE global
+            positions for RoPE. Their K/V are appended on ONE rank, the one holding the fewest cached
+            tokens (lowest rank on a tie); every rank derives the owner from the same counts. In each layer
+            a rank attends the new queries to its cache shard (causally among the new tokens on the owner),
+            giving a partial (out, lse); the small partials are all-gathered and merged by log-sum-exp in
+            rank order, identically on every rank.
+  choose    greedy argmax, or a sample drawn by inverse CDF from a seeded generator; rank 0's choice is
+            used by every rank (see longdoc.hf.session), so ranks never diverge on a rounding tie.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from longdoc.parallel import blocks, comm, kernels
+from longdoc.parallel.api import ContextParallel
+
+__all__ = ["ShardedCache", "Sampler", "extend_attention"]
+
+
+class ShardedCache(DynamicCache):
+    """A DynamicCache holding only this rank's tokens. While `append` is False (another rank owns the
+    new tokens) `update` returns the cached shard without storing the new K/V."""
+
+    def __init__(self) -> None:
+        super().__init__()  # no config: plain DynamicLayers, never a sliding-window layer that drops tokens
+        self.append = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self.append:
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        while len(self.layers) <= layer_idx:
+            self.layers.append(DynamicLayer())
+        layer = self.layers[layer_idx]
+        if not layer.is_initialized or layer.keys.dim() != key_states.dim():
+            return key_states[..., :0, :], value_states[..., :0, :]
+        return layer.keys, layer.values
+
+    def keep(self, index: torch.Tensor) -> None:
+        """Keep only the cached tokens at local `index` (1-D LongTensor), in every layer."""
+        for layer in self.layers:
+            if layer.is_initialized and layer.keys.dim() == 4:
+                layer.keys = layer.keys.index_select(-2, index.to(layer.keys.device))
+                layer.values = layer.values.index_select(-2, index.to(layer.values.device))
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` local tokens in every layer (undo appends)."""
+        for layer in self.layers:
+            if layer.is_initialized and layer.keys.dim() == 4:
+                layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
+
+
+def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+             kernel: kernels.Kernel) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of q over one block of keys in the accumulator dtype; an empty block gives (0, -inf)."""
+    acc = kernels._lse_dtype(q.dtype)
+    if k.shape[2] == 0:
+        return q.new_zeros(q.shape, dtype=acc), q.new_full(q.shape[:3], float("-inf"), dtype=acc)
+    out, lse = kernel.forward(q, k.contiguous(), v.contiguous(), causal, scale)
+    return out.to(acc), lse.to(acc)
+
+
+def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel, scale: float,
+                     appending: bool) -> torch.Tensor:
+    """New queries (replicated on every rank) over the keys of all ranks' cache shards.
+
+    q (batch, q_heads, new, head_dim); k, v (batch, kv_heads, local, head_dim) this rank's shard, whose
+    last `new` entries are the new tokens when `appending`. Returns (batch, q_heads, new, head_dim),
+    identical on every rank.
+    """
+    kernel = kernels.select(q.device, q.dtype, cp.kernel)
+    new = q.shape[2]
+    old = k.shape[2] - new if appending else k.shape[2]
+    # Every cached key precedes every new query: no mask. Among the new tokens (on the owner only) the
+    # block is square and starts at the first new token, so top-left causal alignment is right.
+    out, lse = _partial(q, k[:, :, :old], v[:, :, :old], False, scale, kernel)
+    if appending:
+        out, lse = blocks.merge(out, lse, *_partial(q, k[:, :, old:], v[:, :, old:], True, scale, kernel))
+    if cp.size > 1:
+        # One all-gather of (out | lse) per layer: new x head_dim numbers per head, tiny next to the cache.
+        parts = comm.all_gather(torch.cat([out, lse.unsqueeze(-1)], dim=-1), cp.group, cp.timeout)
+        out = torch.zeros_like(out)
+        lse = torch.full_like(lse, float("-inf"))
+        for part in parts:  # rank order on every rank: bit-identical results everywhere
+            out, lse = blocks.merge(out, lse, part[..., :-1], part[..., -1])
+    return out.to(q.dtype)
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """How the next token is chosen from (batch, vocab) logits; checked at construction.
+
+    Sampling follows transformers' order (temperature, then top-k, then top-p) in float64, then draws by
+    inverse CDF over the token ids in id order with one uniform number per row from `generator`: a
+    rounding-level change of the logits (cp=2 vs cp=1) moves a CDF boundary by rounding only, so the same
+    seed picks the same token unless the draw lands within ~1e-7 of a boundary.
+    """
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature} (use do_sample=False for greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+            raise ValueError(f"top_k must be None or an integer >= 1, got {self.top_k!r}")
+
+    def choose(self, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """(batch,) token ids for (batch, vocab) logits."""
+        if not self.do_sample:
+            return logits.argmax(dim=-1)
+        x = logits.double() / self.temperature
+        if self.top_k is not None and self.top_k < x.shape[-1]:
+            kth = x.topk(self.top_k, dim=-1).values[..., -1:]
+            x = x.masked_fill(x < kth, float("-inf"))
+        if self.top_p < 1:
+            ordered, idx = x.sort(dim=-1)  # ascending, like transformers' TopPLogitsWarper
+            drop = ordered.softmax(dim=-1).cumsum(dim=-1) <= 1 - self.top_p
+            drop[..., -1] = False  # always keep the most likely token
+            x = x.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
+        cdf = x.softmax(dim=-1).cumsum(dim=-1)
+        u = torch.rand(x.shape[0], generator=generator, dtype=torch.float64)
+        u = u.to(cdf.device).unsqueeze(-1) * cdf[..., -1:]
+        # right=True: the first id whose CDF exceeds u, which always has a positive probability
+        return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=x.shape[-1] - 1)

@@ -1,0 +1,304 @@
+"""`shard_batch`: a full batch (identical on every CP rank) -> this rank's local batch for a patched model.
+
+Torch only (the CP core): `ContextParallel.shard_batch` calls it, `longdoc.hf` re-exports it.
+
+    local = cp.shard_batch({"input_ids": ids, "labels": ids, "attention_mask": mask})
+    loss = model(**local).loss        # this rank's share; the sum over the CP group is the mean loss
+
+The local batch holds:
+  input_ids (or inputs_embeds)  this rank's tokens, (batch, local_len[, hidden])
+  position_ids                  their GLOBAL positions, so RoPE / position embeddings are exact
+  labels, shift_labels          targets shifted over the FULL sequence before sharding
+                                (shift_labels[t] = labels[t + 1]); -100 where no loss is taken
+  num_items_in_batch            the global number of loss tokens (a 0-d tensor, same on every rank)
+transformers' causal-LM loss sums the local token losses and divides by num_items_in_batch, so each
+rank's loss is its share and gradients summed over the group are the single-device gradients.
+
+Any length works: the sequence is padded internally at the end to cp.multiple; padded tokens and
+attention_mask == 0 positions never enter the loss. Right padding is exact with no mask at all (causal
+attention never lets a real token see a pad after it), so no attention_mask is passed on. Left padding
+is refused: it needs a padding mask inside the ring, which the CP kernels do not compute.
+
+Content agreement: before returning, the ranks of the CP group check in one tiny all-gather that they
+hold the SAME full batch (shapes, dtypes, an exact 64-bit checksum of every field, and the options).
+Ranks reading different sequences of one shape would otherwise train on a loss that belongs to no
+document, silently (transformers.Trainer's per-rank sampler does exactly that). `ContextParallel(
+check_agreement=False)` skips the check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import torch
+
+from longdoc.parallel import comm
+from longdoc.parallel.layout import round_up
+
+_KNOWN = ("input_ids", "inputs_embeds", "attention_mask", "labels", "position_ids")
+# The fields whose content the CP ranks must agree on, in the order they are packed for the check.
+_AGREED = ("inputs", "labels", "attention_mask", "position_ids")
+_SAME_DATA_FIX = ("the ranks of a CP group must read the same sequences: sample per data-parallel replica, not "
+                  "per rank (e.g. DistributedSampler(num_replicas=dp_size, rank=dp_rank), so that every CP rank "
+                  "of one replica reads the same batch); ContextParallel(check_agreement=False) skips this check")
+
+
+class CPInputError(ValueError):
+    """Inputs a patched model cannot run exactly under CP (build them with cp.shard_batch)."""
+
+
+def _as_tensor(value: Any, name: str) -> torch.Tensor:
+    t = value if torch.is_tensor(value) else torch.as_tensor(value)
+    if t.dim() == 1 and name != "inputs_embeds":
+        t = t.unsqueeze(0)  # one sequence given without a batch dimension
+    return t
+
+
+def _check_padding(mask: torch.Tensor) -> None:
+    m = mask.to(torch.int8)
+    if m.numel() and not bool(((m == 0) | (m == 1)).all()):
+        raise ValueError("attention_mask must hold 0/1 (or bool) values")
+    if m.shape[1] < 2 or bool((m[:, 1:] <= m[:, :-1]).all()):
+        return
+    rows = [int(r) for r in torch.nonzero((m[:, 1:] > m[:, :-1]).any(dim=1)).flatten()[:4]]
+    left = all(int(m[r, 0]) == 0 for r in rows)
+    what = "left padding" if left else "holes (zeros between real tokens)"
+    raise ValueError(
+        f"cp.shard_batch: attention_mask has {what} in rows {rows}; only right padding is supported under CP "
+        f"(it is exact without a mask, left padding would need a padding mask inside the ring attention). "
+        f"Tokenize with tokenizer.padding_side = 'right'; to pack several documents, concatenate them into "
+        f"one row instead"
+    )
+
+
+def shift_labels(labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 ignore_index: int = -100) -> torch.Tensor:
+    """Full-sequence targets: out[:, t] = labels[:, t + 1], ignore_index at the end and where the target
+    token is padding (attention_mask == 0), so padded tokens never count in the loss."""
+    out = torch.full_like(labels, ignore_index)
+    out[:, :-1] = labels[:, 1:]
+    if attention_mask is not None:
+        out[:, :-1].masked_fill_(attention_mask[:, 1:] == 0, ignore_index)
+    return out
+
+
+def shard_batch(batch: Mapping[str, Any], cp, *, pad_token_id: int = 0, ignore_index: int = -100,
+                num_items_in_batch: int | torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """This rank's part of a full batch (see the module docstring for what it holds).
+
+    Args:
+        batch: input_ids (batch, seq) or inputs_embeds (batch, seq, hidden); optional labels (batch, seq)
+            in the Hugging Face convention (unshifted, ignore_index where no loss), optional attention_mask
+            (batch, seq), right padding only. position_ids are computed; passing them is refused unless
+            they are the plain 0..seq-1 positions.
+        cp: the ContextParallel group and layout.
+        pad_token_id: token used for the internal padding to cp.multiple. Its value never changes the
+            result (padded tokens come after every real token and never count); it must be a valid id.
+        num_items_in_batch: override the loss-token count, e.g. the total over gradient-accumulation steps
+            or data-parallel replicas, so that losses add up to the mean over all of them.
+    Raises:
+        ValueError for a malformed batch; CPInputError when the CP ranks hold different batches.
+    """
+    # Only a real group agrees (a stand-in without check_agreement, as in the layout tests, has no peers).
+    agree = cp.size > 1 and getattr(cp, "check_agreement", False)
+    try:
+        fields = _validated(batch, ignore_index, num_items_in_batch)
+    except ValueError:
+        if agree:  # tell the other ranks, so they raise too instead of waiting for this rank
+            agree_content(None, cp, pad_token_id, ignore_index, num_items_in_batch)
+        raise
+    if agree:
+        agree_content(fields, cp, pad_token_id, ignore_index, num_items_in_batch)
+    return _shard(fields, cp, pad_token_id, ignore_index, num_items_in_batch)
+
+
+def _validated(batch: Mapping[str, Any], ignore_index: int, num_items_in_batch) -> dict[str, Any]:
+    """The batch's tensors, checked: {"key", "inputs", "labels", "attention_mask", "position_ids"}."""
+    unknown = sorted(set(batch) - set(_KNOWN))
+    if unknown:
+        raise ValueError(f"cp.shard_batch: unknown keys {unknown}; the batch may hold {', '.join(_KNOWN)} "
+                         f"(drop other columns before sharding)")
+    if ("input_ids" in batch) == ("inputs_embeds" in batch):
+        raise ValueError("cp.shard_batch: pass exactly one of input_ids or inputs_embeds")
+    key = "input_ids" if "input_ids" in batch else "inputs_embeds"
+    x = _as_tensor(batch[key], key)
+    if key == "input_ids" and (x.dim() != 2 or x.is_floating_point()):
+        raise ValueError(f"cp.shard_batch: input_ids must be an integer (batch, seq) tensor, got {tuple(x.shape)} "
+                         f"{x.dtype}")
+    if key == "inputs_embeds" and x.dim() != 3:
+        raise ValueError(f"cp.shard_batch: inputs_embeds must be (batch, seq, hidden), got {tuple(x.shape)}")
+    bsz, seq_len = x.shape[:2]
+    if seq_len == 0:
+        raise ValueError("cp.shard_batch: the sequence is empty")
+    device = x.device
+
+    def same_shape(name: str) -> torch.Tensor | None:
+        if batch.get(name) is None:
+            return None
+        t = _as_tensor(batch[name], name).to(device)
+        if tuple(t.shape) != (bsz, seq_len):
+            raise ValueError(f"cp.shard_batch: {name} has shape {tuple(t.shape)}, expected {(bsz, seq_len)} "
+                             f"like {key}")
+        return t
+
+    mask = same_shape("attention_mask")
+    labels = same_shape("labels")
+    pos = same_shape("position_ids")
+    if pos is not None and not bool((pos == torch.arange(seq_len, device=device)).all()):
+        raise ValueError("cp.shard_batch: position_ids other than 0..seq-1 (packed sequences, offsets) are not "
+                         "supported under CP; drop position_ids, shard_batch computes the global positions")
+    if mask is not None:
+        _check_padding(mask)
+    if labels is not None and labels.is_floating_point():
+        raise ValueError(f"cp.shard_batch: labels must be integer token ids, got {labels.dtype}")
+    if labels is not None and num_items_in_batch is not None and int(num_items_in_batch) <= 0:
+        raise ValueError(f"cp.shard_batch: num_items_in_batch must be positive, got {int(num_items_in_batch)}")
+    return {"key": key, "inputs": x, "labels": labels, "attention_mask": mask, "position_ids": pos}
+
+
+# ---- content agreement ----
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_DTYPE_CODES = {dt: i for i, dt in enumerate((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
+                                                torch.int64, torch.float16, torch.bfloat16, torch.float32,
+                                                torch.float64))}
+
+
+def checksum(t: torch.Tensor) -> int:
+    """An exact 64-bit fingerprint of a tensor's values (bit patterns, so -0.0 != 0.0 and NaNs count).
+
+    sum_i bits_i * w_i in wrapping int64 arithmetic, with odd pseudo-random weights w_i (a splitmix64-style
+    mix of the index): any one changed element always changes the sum (an odd weight is invertible modulo
+    2**64), and reordered or several changed elements collide with probability ~2**-64. One multiply-add
+    per element: microseconds for token ids, far below a training step even for inputs_embeds.
+    """
+    t = t.detach()
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    bits = t.contiguous().view(_INT_OF_SIZE[t.element_size()]).reshape(-1).to(torch.int64)
+    w = torch.arange(bits.numel(), dtype=torch.int64, device=bits.device)
+    w = w * -7046029254386353131 + 1442695040888963407  # 0x9E3779B97F4A7C15 as a signed int64; wraps
+    w = w ^ (w >> 29)
+    w = w * -4658895280553007687  # 0xBF58476D1CE4E5B9
+    w = (w ^ (w >> 32)) | 1
+    return int((bits * w).sum())
+
+
+class _FieldMeta(NamedTuple):
+    """One field's metadata as the ranks exchange it (packs to ints for comm.agree)."""
+
+    present: int
+    shape: tuple[int, int, int]  # (batch, seq, hidden or 0)
+    dtype: int
+    checksum: int
+
+    @classmethod
+    def of(cls, t: torch.Tensor | None) -> _FieldMeta:
+        if t is None:
+            return cls(0, (0, 0, 0), -1, 0)
+        shape = (tuple(t.shape) + (0, 0, 0))[:3]
+        return cls(1, shape, _DTYPE_CODES.get(t.dtype, -2), checksum(t))
+
+    def pack(self) -> list[int]:
+        return [self.present, *self.shape, self.dtype, self.checksum]
+
+
+_FIELD_INTS = 6
+
+
+class _BatchMeta(NamedTuple):
+    """What the CP ranks agree on before sharding: a validity flag, every field, and the options."""
+
+    valid: int
+    fields: tuple[_FieldMeta, ...]  # in _AGREED order
+    options: tuple[int, int, int]  # pad_token_id, ignore_index, num_items_in_batch (-1 = counted)
+
+    def pack(self) -> list[int]:
+        return [self.valid, *(i for f in self.fields for i in f.pack()), *self.options]
+
+    @classmethod
+    def unpack(cls, ints: list[int]) -> _BatchMeta:
+        fields = []
+        for j in range(len(_AGREED)):
+            p, b, s, h, dt, cs = ints[1 + j * _FIELD_INTS: 1 + (j + 1) * _FIELD_INTS]
+            fields.append(_FieldMeta(p, (b, s, h), dt, cs))
+        return cls(ints[0], tuple(fields), tuple(ints[-3:]))
+
+
+def _field_name(j: int, fields_key: str | None) -> str:
+    return (fields_key or "input_ids/inputs_embeds") if _AGREED[j] == "inputs" else _AGREED[j]
+
+
+def agree_content(fields: dict[str, Any] | None, cp, pad_token_id: int, ignore_index: int,
+                  num_items_in_batch) -> None:
+    """One all-gather of every rank's _BatchMeta; raises the same CPInputError on every rank when they differ.
+
+    `fields` None: this rank's batch failed validation (it raises its own error; the others learn it here).
+    """
+    options = (int(pad_token_id), int(ignore_index), -1 if num_items_in_batch is None else int(num_items_in_batch))
+    if fields is None:
+        mine = _BatchMeta(0, tuple(_FieldMeta.of(None) for _ in _AGREED), options)
+    else:
+        mine = _BatchMeta(1, tuple(_FieldMeta.of(fields[name]) for name in _AGREED), options)
+    device = cp.comm_device(fields["inputs"].device) if fields is not None else cp.comm_device(torch.device("cpu"))
+    metas = [_BatchMeta.unpack(m) for m in comm.agree(mine.pack(), cp.group, cp.timeout, device)]
+    if fields is None:
+        return  # the caller re-raises this rank's own validation error
+    key = fields["key"]
+    invalid = [r for r, m in enumerate(metas) if not m.valid]
+    if invalid:
+        raise CPInputError(f"cp.shard_batch: CP rank {invalid[0]} rejected its batch (its error says why), so the "
+                           f"CP ranks do not hold the same batch; {_SAME_DATA_FIX}")
+    differ = [_field_name(j, key) for j in range(len(_AGREED)) if len({m.fields[j] for m in metas}) > 1]
+    if len({m.options for m in metas}) > 1:
+        differ.append("the shard_batch options (pad_token_id, ignore_index, num_items_in_batch)")
+    if not differ:
+        return
+    ranks = [r for r, m in enumerate(metas) if m != metas[0]]
+    shapes = ""
+    for j in range(len(_AGREED)):
+        if len({(m.fields[j].present, m.fields[j].shape, m.fields[j].dtype) for m in metas}) > 1:
+            per_rank = ", ".join(f"rank {r}: {_describe(m.fields[j])}" for r, m in enumerate(metas))
+            shapes += f"; {_field_name(j, key)} {per_rank}"
+    raise CPInputError(f"cp.shard_batch: the CP ranks hold different batches: {', '.join(differ)} "
+                       f"differ{'s' if len(differ) == 1 else ''} between rank 0 and rank(s) {ranks}{shapes}; "
+                       f"{_SAME_DATA_FIX}")
+
+
+def _describe(f: _FieldMeta) -> str:
+    if not f.present:
+        return "absent"
+    names = {i: str(dt).removeprefix("torch.") for dt, i in _DTYPE_CODES.items()}
+    shape = f.shape if f.shape[2] else f.shape[:2]
+    return f"{tuple(shape)} {names.get(f.dtype, 'other dtype')}"
+
+
+def _shard(fields: dict[str, Any], cp, pad_token_id: int, ignore_index: int,
+           num_items_in_batch) -> dict[str, torch.Tensor]:
+    key, x, labels, mask = fields["key"], fields["inputs"], fields["labels"], fields["attention_mask"]
+    bsz, seq_len = x.shape[:2]
+    device = x.device
+    padded = round_up(seq_len, cp.multiple)
+    extra = padded - seq_len
+    if extra:
+        if key == "input_ids":
+            x = torch.cat([x, x.new_full((bsz, extra), pad_token_id)], dim=1)
+        else:
+            x = torch.cat([x, x.new_zeros((bsz, extra, x.shape[2]))], dim=1)
+    local: dict[str, torch.Tensor] = {
+        key: cp.shard(x, dim=1),
+        "position_ids": cp.positions(padded, device=device).unsqueeze(0).repeat(bsz, 1),
+    }
+    if labels is not None:
+        targets = shift_labels(labels.long(), mask, ignore_index)
+        if extra:
+            targets = torch.cat([targets, targets.new_full((bsz, extra), ignore_index)], dim=1)
+        if num_items_in_batch is None:
+            # max(., 1): a batch with no loss token gives loss 0 (and zero grads) instead of NaN.
+            num_items_in_batch = max(int((targets != ignore_index).sum()), 1)
+        local_targets = cp.shard(targets, dim=1)
+        local["labels"] = local_targets
+        local["shift_labels"] = local_targets
+        local["num_items_in_batch"] = torch.as_tensor(num_items_in_batch, device=device)
+    return local
