@@ -45,7 +45,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     """Write `text` to `path` atomically (flushed to disk before the rename)."""
 
     def write(tmp: str) -> None:
-        with open(tmp, "w") as f:
+        with open(tmp, "w", encoding="utf-8") as f:  # not the locale's: reports hold non-ASCII text
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

@@ -43,14 +43,14 @@ plus the runtime (CUDA context + NCCL, or the Python process) and allocator slac
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from longdoc.bench.hardware import GIB, Device, device
 from longdoc.bench.shapes import ModelShape, lora_params_per_layer
+from longdoc.parallel.api import STRATEGIES, Strategy
+from longdoc.parallel.layout import LAYOUTS, Layout, round_up
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-STRATEGIES = ("ring", "allgather")
 CATEGORIES = ("weights", "grads", "optimizer", "activations", "loss", "comm_buffers", "fsdp_buffers", "runtime",
               "slack")
 
@@ -64,8 +64,8 @@ class Setup:
     cp: int = 1
     dp: int = 1
     micro_batch: int = 1
-    strategy: str = "ring"
-    layout: str = "zigzag"
+    strategy: Strategy = "ring"
+    layout: Layout = "zigzag"
     checkpointing: bool = True
     loss_chunk: int | None = 1024  # None: no chunking (the whole local sequence's logits at once)
     lora: bool = False
@@ -80,8 +80,8 @@ class Setup:
         device(self.device)
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
-        if self.layout not in ("zigzag", "contiguous"):
-            raise ValueError(f"layout must be 'zigzag' or 'contiguous', got {self.layout!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if min(self.seq_len, self.cp, self.dp, self.micro_batch) < 1:
             raise ValueError("seq_len, cp, dp and micro_batch must be positive")
         if self.loss_chunk is not None and self.loss_chunk < 1:
@@ -118,7 +118,7 @@ class Setup:
     @property
     def padded_len(self) -> int:
         multiple = 2 * self.cp if self.layout == "zigzag" else self.cp
-        return math.ceil(self.seq_len / multiple) * multiple
+        return round_up(self.seq_len, multiple)
 
     @property
     def tokens(self) -> int:

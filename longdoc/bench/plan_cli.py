@@ -12,6 +12,8 @@ import argparse
 import json
 import sys
 
+from longdoc.parallel.api import STRATEGIES
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from longdoc.bench.hardware import DEVICES, INTERCONNECTS
@@ -35,7 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="full activation checkpointing on/off (default: consider both)")
     p.add_argument("--cp", type=int, default=None, help="pin the context-parallel size")
     p.add_argument("--dp", type=int, default=None, help="pin the data-parallel size")
-    p.add_argument("--strategy", choices=["ring", "allgather"], default=None, help="pin the CP attention strategy")
+    p.add_argument("--strategy", choices=STRATEGIES, default=None, help="pin the CP attention strategy")
     p.add_argument("--no-chunked-loss", action="store_true",
                    help="cross-entropy over all local tokens at once (what most trainers do) instead of 1024 at a time")
     p.add_argument("--loss-chunk", type=int, default=1024, help="tokens per cross-entropy chunk")

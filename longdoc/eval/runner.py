@@ -22,14 +22,15 @@ from typing import Any
 
 Job = Callable[..., dict[str, Any]]
 
-_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-           "float16": "float16", "fp16": "float16"}
+# --dtype spellings accepted on the command line -> the torch dtype's name
+_DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+                  "float16": "float16", "fp16": "float16"}
 
 
 def check_dtype(name: str) -> str:
-    if name not in _DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(sorted(set(_DTYPES)))}, got {name!r}")
-    return _DTYPES[name]
+    if name not in _DTYPE_ALIASES:
+        raise ValueError(f"dtype must be one of {', '.join(sorted(set(_DTYPE_ALIASES)))}, got {name!r}")
+    return _DTYPE_ALIASES[name]
 
 
 def _device(cfg: dict[str, Any], launched: bool):

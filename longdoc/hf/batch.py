@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from longdoc.parallel.layout import round_up
+
 _KNOWN = ("input_ids", "inputs_embeds", "attention_mask", "labels", "position_ids")
 
 
@@ -114,7 +116,7 @@ def shard_batch(batch: Mapping[str, Any], cp, *, pad_token_id: int = 0, ignore_i
     if mask is not None:
         _check_padding(mask)
 
-    padded = -(-seq_len // cp.multiple) * cp.multiple
+    padded = round_up(seq_len, cp.multiple)
     extra = padded - seq_len
     if extra:
         if key == "input_ids":

@@ -270,7 +270,7 @@ class KVSession:
         if seq == 0:
             raise ValueError("prefill needs at least one prompt token")
         self._check_rope(seq)
-        padded = -(-seq // cp.multiple) * cp.multiple
+        padded = layouts.round_up(seq, cp.multiple)
         full = torch.nn.functional.pad(ids, (0, padded - seq), value=0)  # pad ids never reach a real token
         positions = cp.positions(padded, device=ids.device)
         # The logits of the last prompt token: kept (computed) by the rank holding it only.

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from longdoc.hf.batch import shard_batch
 from longdoc.parallel import comm
 from longdoc.parallel.api import ContextParallel
+from longdoc.parallel.layout import round_up
 
 __all__ = ["prefill", "gather_positions", "target_logprobs", "span_logprobs"]
 
@@ -84,7 +85,7 @@ def _owned_logits(model, cp: ContextParallel, batch: Mapping[str, Any], position
         x = x.unsqueeze(0)
     bsz, seq_len = x.shape[:2]
     p = _positions(positions, bsz, seq_len, x.device)
-    padded = -(-seq_len // cp.multiple) * cp.multiple
+    padded = round_up(seq_len, cp.multiple)
     local_idx = _local_index(cp, padded, p)  # (b, n), -1 where another rank holds the token
     keep = torch.unique(local_idx[local_idx >= 0])  # sorted local indices the LM head must see
     _, logits = _run(model, cp, batch, keep, pad_token_id)

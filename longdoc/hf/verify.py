@@ -21,6 +21,9 @@ import os
 import sys
 from dataclasses import dataclass
 
+from longdoc.parallel.api import STRATEGIES
+from longdoc.parallel.layout import LAYOUTS
+
 _TOLERANCES = {  # (logits: max abs err / max |logit|, loss: abs err, grads: max over tensors of max abs err / max |g|)
     "float64": (1e-9, 1e-9, 1e-8),
     "float32": (1e-4, 1e-4, 1e-3),
@@ -51,8 +54,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence (any length)")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
-    p.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
-    p.add_argument("--strategy", default="ring", choices=["ring", "allgather"])
+    p.add_argument("--layout", default="zigzag", choices=LAYOUTS)
+    p.add_argument("--strategy", default="ring", choices=STRATEGIES)
     p.add_argument("--seed", type=int, default=0, help="seed of the random tokens (and of random init)")
     p.add_argument("--text", default=None, metavar="FILE",
                    help="tokenize this text file (repeated to --seq-len) instead of using random tokens")

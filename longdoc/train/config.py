@@ -20,7 +20,13 @@ from typing import Any, Literal
 
 import yaml
 
-DTYPES = ("float32", "bfloat16", "float16")
+from longdoc.parallel.api import STRATEGIES, Strategy
+from longdoc.parallel.layout import LAYOUTS, Layout
+
+# Literal field types: a recipe value outside them is refused at load time with the valid choices (_coerce)
+Dtype = Literal["float32", "bfloat16", "float16"]
+DTYPES: tuple[str, ...] = typing.get_args(Dtype)
+OnNonfinite = Literal["skip", "abort"]
 MIXED = ("auto", "no", "bf16")
 ROPE_TYPES = ("linear", "yarn")
 
@@ -37,7 +43,7 @@ def _check(cond: bool, key: str, msg: str) -> None:
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
     name: str = "SmolLM2-135M-Instruct"  # longdoc.models.load name, local folder, hub id or "tiny:<arch>"
-    dtype: str = "float32"  # dtype the weights are kept in; bf16 compute on GPU is `train.mixed_precision`
+    dtype: Dtype = "float32"  # dtype the weights are kept in; bf16 compute on GPU is `train.mixed_precision`
     rope_type: str | None = None  # "linear" | "yarn": extend the context beyond the pretrained length
     rope_factor: float = 1.0
     max_position_embeddings: int | None = None  # new context length; default original * rope_factor
@@ -126,10 +132,10 @@ class TrainConfig:
     activation_checkpointing: bool = True
     loss_chunk_tokens: int = 1024  # CE over this many tokens at a time: logits never exist in full
     fsdp: bool = False  # shard parameters/gradients/optimizer with FSDP2 (GPU, NCCL)
-    layout: str = "zigzag"
-    strategy: str = "ring"
+    layout: Layout = "zigzag"
+    strategy: Strategy = "ring"
     comm_timeout: float = 600.0  # seconds any collective may wait before the run fails
-    on_nonfinite: str = "skip"  # a NaN/Inf loss or gradient: "skip" the step (counted) or "abort"
+    on_nonfinite: OnNonfinite = "skip"  # a NaN/Inf loss or gradient: "skip" the step (counted) or "abort"
     max_skipped_steps: int = 10  # abort after this many skipped steps in a row
     # CPU (glibc): hand freed tensor memory back to the OS at once instead of keeping 0.5-2 GiB of it per
     # process (a few percent of step time; longdoc.train.metrics.return_freed_memory)
@@ -143,12 +149,11 @@ class TrainConfig:
                f"must be a multiple of train.micro_batch_size ({self.micro_batch_size}), got {self.batch_size}")
         _check(self.mixed_precision in MIXED, "train.mixed_precision", f"must be one of {MIXED}")
         _check(self.loss_chunk_tokens > 0, "train.loss_chunk_tokens", "must be positive")
-        _check(self.layout in ("zigzag", "contiguous"), "train.layout",
-               f"must be one of ('zigzag', 'contiguous'), got {self.layout!r}")
-        _check(self.strategy in ("ring", "allgather"), "train.strategy",
-               f"must be one of ('ring', 'allgather'), got {self.strategy!r}")
+        # repeated from the Literal types for a TrainConfig built in code rather than from a recipe
+        _check(self.layout in LAYOUTS, "train.layout", f"must be one of {LAYOUTS}, got {self.layout!r}")
+        _check(self.strategy in STRATEGIES, "train.strategy", f"must be one of {STRATEGIES}, got {self.strategy!r}")
         _check(self.comm_timeout > 0, "train.comm_timeout", "must be positive seconds")
-        _check(self.on_nonfinite in ("skip", "abort"), "train.on_nonfinite", "must be 'skip' or 'abort'")
+        _check(self.on_nonfinite in typing.get_args(OnNonfinite), "train.on_nonfinite", "must be 'skip' or 'abort'")
         _check(self.max_skipped_steps >= 0, "train.max_skipped_steps", "must be >= 0")
 
 
