@@ -1,7 +1,7 @@
 """`longdoc bench`: benchmarks measured side by side in one run (JSON, markdown, PNG plots); and `longdoc plan`.
 
     longdoc bench                                   # every section (make bench), results in runs/bench/
-    longdoc bench attention --seq-len 16384         # one length: E and Z as in issue 2
+    longdoc bench attention --seq-len 16384         # one length: E (CP efficiency) and Z (contiguous/zigzag)
     longdoc bench memory longest --quick            # some sections at smoke-test sizes
     longdoc bench --readme README.md                # also refresh the README's performance table
 """

@@ -84,7 +84,8 @@ def graph() -> dict[str, dict[str, int]]:
 
 
 def _cycles(g: dict[str, dict[str, int]]) -> list[list[str]]:
-    """One shortest cycle per strongly connected component with more than one module (Tarjan, iterative)."""
+    """One shortest cycle per strongly connected component with more than one module (Tarjan, iterative);
+    fixing it may reveal another in the same component, which the next run reports."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -174,7 +175,7 @@ def test_cycle_finder_reports_the_path():
 # ---- the acceptance checks ----
 
 def test_no_import_cycles():
-    cycles = _cycles(graph())
+    cycles = _cycles(graph())  # sorted module order: the same report on every run
     assert not cycles, "import cycles between longdoc modules (break each, e.g. by moving the shared part " \
                        "into a module both import):\n" + "\n".join(_describe(c) for c in cycles)
 
@@ -243,3 +244,17 @@ def test_attention_registry_is_touched_in_one_module():
     users = {m: sorted(refs) for m in modules() if (refs := _registry_references(m))}
     assert len(users) == 1, ("transformers' attention registry must be used by exactly one module "
                              f"(one backend, one call path); referenced in: {users}")
+
+
+def test_no_test_module_imports_another_test_module():
+    """Shared test helpers live in plain modules (tests/distributed.py, tests/training.py, tests/fake_cp.py...):
+    importing a test module runs its collection side effects and couples unrelated tests."""
+    tests = ROOT / "tests"
+    bad = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            bad += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
+                    if n.startswith("tests.") and n.rpartition(".")[2].startswith("test_")]
+    assert not bad, "move what these share into a helper module under tests/:\n" + "\n".join(bad)
