@@ -70,6 +70,7 @@ def building_dir(target: str | os.PathLike, *, replace: bool = True) -> Iterator
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700: the finished folder (a model, a checkpoint) stays readable
         yield tmp
         if target.exists() and replace:
             remove_dir(target)
