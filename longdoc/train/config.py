@@ -27,6 +27,8 @@ from longdoc.parallel.layout import LAYOUTS, Layout
 Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = typing.get_args(Dtype)
 OnNonfinite = Literal["skip", "abort"]
+Task = Literal["qa", "pretrain"]
+Decay = Literal["cosine", "linear", "constant"]
 MIXED = ("auto", "no", "bf16")
 ROPE_TYPES = ("linear", "yarn")
 
@@ -83,7 +85,7 @@ class LoraConfig:
 class DataConfig:
     path: str = ""  # documents (jsonl/json/parquet/csv/text folder/hub id), `longdoc data prepare` rows, "random"
     seq_len: int = 4096  # tokens per training sequence (window), before CP sharding
-    task: str = "qa"  # for raw documents: "qa" (document + question -> answer, loss on answers) | "pretrain"
+    task: Task = "qa"  # for raw documents: "qa" (document + question -> answer, loss on answers) | "pretrain"
     text_field: str | None = None  # pretrain: the documents' text field; null picks text/document/content
     max_sequences: int | None = None  # use only the first N windows (quick runs)
     shuffle: bool = True
@@ -92,7 +94,7 @@ class DataConfig:
     def __post_init__(self):
         _check(bool(self.path), "data.path", "name a jsonl file or folder (make one with `longdoc data synth "
                "--domain legal`), or 'random' for random tokens")
-        _check(self.task in ("qa", "pretrain"), "data.task", f"must be 'qa' or 'pretrain', got {self.task!r}")
+        _check(self.task in typing.get_args(Task), "data.task", f"must be 'qa' or 'pretrain', got {self.task!r}")
         _check(self.seq_len >= 2, "data.seq_len", f"must be at least 2 tokens, got {self.seq_len}")
         _check(self.max_sequences is None or self.max_sequences > 0, "data.max_sequences", "must be positive")
         _check(self.random_size > 0, "data.random_size", "must be positive")
@@ -105,7 +107,7 @@ class OptimConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     warmup_steps: int = 0
-    decay: str = "cosine"  # "cosine" | "linear" | "constant" after warmup
+    decay: Decay = "cosine"  # "cosine" | "linear" | "constant" after warmup
     min_lr_ratio: float = 0.1  # the decayed LR ends at lr * min_lr_ratio
     max_grad_norm: float | None = 1.0
 
@@ -116,8 +118,8 @@ class OptimConfig:
                f"must be two numbers in [0, 1), got {self.betas}")
         _check(self.eps > 0, "optim.eps", "must be positive")
         _check(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
-        _check(self.decay in ("cosine", "linear", "constant"), "optim.decay",
-               f"must be one of ('cosine', 'linear', 'constant'), got {self.decay!r}")
+        _check(self.decay in typing.get_args(Decay), "optim.decay",
+               f"must be one of {typing.get_args(Decay)}, got {self.decay!r}")
         _check(0.0 <= self.min_lr_ratio <= 1.0, "optim.min_lr_ratio", "must be in [0, 1]")
         _check(self.max_grad_norm is None or self.max_grad_norm > 0, "optim.max_grad_norm",
                "must be positive, or null to disable clipping")
