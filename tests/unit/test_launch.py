@@ -15,10 +15,15 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_A
 
 @pytest.fixture
 def clean_env(monkeypatch):
+    # the whole environment is restored afterwards: set_launcher_env writes variables that were not set
+    # before, which monkeypatch would not remove, and a later test would believe it runs under a launcher
+    saved = dict(os.environ)
     for name in LAUNCH_VARS:
-        monkeypatch.delenv(name, raising=False)
+        os.environ.pop(name, None)
     assert not dist.is_initialized()
-    return monkeypatch
+    yield monkeypatch
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def test_a_plain_process_is_a_world_of_one(clean_env):
@@ -43,7 +48,6 @@ def test_a_garbled_variable_is_named(clean_env):
 
 
 def test_set_launcher_env_is_what_launched_world_reads(clean_env):
-    clean_env.delenv("HF_HUB_OFFLINE", raising=False)  # restored after the test like the launcher's variables
     set_launcher_env(1, 2, HF_HUB_OFFLINE="1")
     assert launched_world() == Launch(world_size=2, rank=1, local_rank=1, joined=False)
     assert os.environ["HF_HUB_OFFLINE"] == "1" and os.environ["MASTER_ADDR"] == "127.0.0.1"
