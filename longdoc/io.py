@@ -45,7 +45,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     """Write `text` to `path` atomically (flushed to disk before the rename)."""
 
     def write(tmp: str) -> None:
-        with open(tmp, "w") as f:
+        with open(tmp, "w", encoding="utf-8") as f:  # not the locale's: reports hold non-ASCII text
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -70,6 +70,7 @@ def building_dir(target: str | os.PathLike, *, replace: bool = True) -> Iterator
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700: the finished folder (a model, a checkpoint) stays readable
         yield tmp
         if target.exists() and replace:
             remove_dir(target)

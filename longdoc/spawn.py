@@ -22,24 +22,17 @@ import torch.multiprocessing as mp
 
 def _entry(rank, world_size, init_file, pg_timeout, threads, fn, args, results):
     import torch
-    import torch.distributed as dist
+
+    from longdoc.launch import process_group
 
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(seconds=pg_timeout),
-        )
-        out = fn(rank, world_size, *args)
-        results.put((rank, "ok", out))
+        with process_group("gloo", timeout=pg_timeout, init_method=f"file://{init_file}", rank=rank,
+                           world_size=world_size):
+            # reported before the group is torn down, so a slow teardown never delays the result
+            results.put((rank, "ok", fn(rank, world_size, *args)))
     except BaseException:  # noqa: BLE001 - report everything, including KeyboardInterrupt
         results.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
-                pass
 
 
 def run_local(world_size: int, fn: Callable[..., Any], *args: Any, deadline: float = 300,

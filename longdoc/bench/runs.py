@@ -15,11 +15,11 @@ of freed tensor memory that no formula predicts: `longdoc.train.metrics.return_f
 
 from __future__ import annotations
 
-import os
 import resource
 import tempfile
 from dataclasses import asdict, dataclass, field
 
+from longdoc.launch import set_launcher_env
 from longdoc.spawn import run_local
 
 # The benchmarks' tiny model: small enough for 32k tokens on two cores, with the real tokenizer's
@@ -94,9 +94,7 @@ class RunResult:
 
 def _rank(rank: int, world_size: int, recipe: dict) -> dict:
     # run_local has joined the gloo group; Accelerate reads the launcher's variables.
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500",
-                      HF_HUB_OFFLINE="1")
+    set_launcher_env(rank, world_size, HF_HUB_OFFLINE="1")
     from longdoc.train import recipe_from_dict
     from longdoc.train.loop import train
 

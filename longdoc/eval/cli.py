@@ -17,6 +17,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from longdoc.parallel.api import STRATEGIES
+from longdoc.parallel.layout import LAYOUTS
+
 
 def _floats(text: str) -> list[float]:
     try:
@@ -44,8 +47,8 @@ def _common(p: argparse.ArgumentParser, model: bool = True) -> None:
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default: %(default)s)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="auto = CUDA under a launcher when available, else CPU")
-    p.add_argument("--strategy", default="ring", choices=("ring", "allgather"), help="CP attention for the prefill")
-    p.add_argument("--layout", default="zigzag", choices=("zigzag", "contiguous"))
+    p.add_argument("--strategy", default="ring", choices=STRATEGIES, help="CP attention for the prefill")
+    p.add_argument("--layout", default="zigzag", choices=LAYOUTS)
     p.add_argument("--threads", type=int, default=None, help="torch threads per spawned rank (default: cores / cp)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds any collective may wait (default: %(default)s)")
 

@@ -16,10 +16,11 @@ import json
 import math
 import os
 import re
-import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from longdoc.io import atomic_write, atomic_write_text
 
 RESULTS = "results.json"
 SUMMARY = "summary.md"
@@ -32,24 +33,8 @@ def default_run_dir(task: str, model: str, root: str | os.PathLike = "runs/eval"
     return Path(root) / f"{task}-{slug}-{stamp}"
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
-    """Call `write(tmp_path)`, then rename the temporary file onto `path`."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
 def write_text(path: str | os.PathLike, text: str) -> Path:
-    return atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+    return atomic_write_text(path, text)
 
 
 def _clean(value: Any) -> Any:

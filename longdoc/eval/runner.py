@@ -22,31 +22,15 @@ from typing import Any
 
 Job = Callable[..., dict[str, Any]]
 
-_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-           "float16": "float16", "fp16": "float16"}
-
-
-def under_launcher() -> bool:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return True
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
-def is_main_process() -> bool:
-    """Rank 0 under a launcher (or no launcher): the process that writes reports."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank() == 0
-    return int(os.environ.get("RANK", "0")) == 0
+# --dtype spellings accepted on the command line -> the torch dtype's name
+_DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+                  "float16": "float16", "fp16": "float16"}
 
 
 def check_dtype(name: str) -> str:
-    if name not in _DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(sorted(set(_DTYPES)))}, got {name!r}")
-    return _DTYPES[name]
+    if name not in _DTYPE_ALIASES:
+        raise ValueError(f"dtype must be one of {', '.join(sorted(set(_DTYPE_ALIASES)))}, got {name!r}")
+    return _DTYPE_ALIASES[name]
 
 
 def _device(cfg: dict[str, Any], launched: bool):
@@ -56,7 +40,9 @@ def _device(cfg: dict[str, Any], launched: bool):
     if want == "cuda" or (want == "auto" and launched and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise RuntimeError("--device cuda but CUDA is not available; use --device cpu")
-        local = int(os.environ.get("LOCAL_RANK", "0"))
+        from longdoc.launch import launched_world
+
+        local = launched_world().local_rank
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
     return torch.device("cpu")
@@ -101,24 +87,17 @@ def run(fn: Job, cfg: dict[str, Any]) -> dict[str, Any] | None:
     cp_size = int(cfg.get("cp", 1))
     if cp_size < 1:
         raise ValueError(f"--cp must be >= 1, got {cp_size}")
-    if under_launcher():
-        import torch
-        import torch.distributed as dist
+    from longdoc.launch import launched_world, process_group
 
-        world = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
+    if (launch := launched_world()).launched:
+        world = launch.world_size
         if world != cp_size:
             raise ValueError(f"launched with {world} processes but --cp {cp_size}: evaluation uses the whole world "
                              f"as one CP group; pass --cp {world} (or launch {cp_size} processes)")
-        owned = not dist.is_initialized()
-        if owned:
-            backend = "nccl" if torch.cuda.is_available() and cfg.get("device", "auto") != "cpu" else "gloo"
-            dist.init_process_group(backend, timeout=dt.timedelta(seconds=cfg.get("timeout", 1800)))
-        try:
+        backend = "gloo" if cfg.get("device", "auto") == "cpu" else None  # None: nccl on CUDA, else gloo
+        with process_group(backend, timeout=cfg.get("timeout", 1800)) as joined:
             result = run_rank(fn, cfg, launched=True)
-            return result if dist.get_rank() == 0 else None
-        finally:
-            if owned:
-                dist.destroy_process_group()
+            return result if joined.is_main else None
     if cp_size == 1:
         return run_rank(fn, cfg)
     from longdoc.spawn import run_local

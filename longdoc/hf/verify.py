@@ -94,8 +94,10 @@ def _main(args: argparse.Namespace) -> int:
         raise SystemExit(f"longdoc verify: --text {args.text!r} is not a file")
     spec = Spec(args.model, args.cp, args.seq_len, args.batch_size, args.dtype, args.layout, args.strategy,
                 args.seed, args.timeout, args.text)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun / accelerate launch
-        return _main_launched(spec)
+    from longdoc.launch import launched_world
+
+    if (launch := launched_world()).launched:  # started by torchrun / accelerate launch
+        return _main_launched(spec, launch.world_size)
     from longdoc.spawn import run_local
 
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.cp)
@@ -106,20 +108,15 @@ def _main(args: argparse.Namespace) -> int:
     return _report(spec, results[0])
 
 
-def _main_launched(spec: Spec) -> int:
-    import datetime
+def _main_launched(spec: Spec, world_size: int) -> int:
+    from longdoc.launch import process_group
 
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=spec.timeout))
-    try:
-        if dist.get_world_size() != spec.cp:
-            raise SystemExit(f"longdoc verify: --cp {spec.cp} but the launcher started {dist.get_world_size()} "
-                             f"processes; pass --cp {dist.get_world_size()}")
-        result = _rank(dist.get_rank(), dist.get_world_size(), spec)
-        return _report(spec, result) if dist.get_rank() == 0 else 0
-    finally:
-        dist.destroy_process_group()
+    if world_size != spec.cp:  # before joining: every rank stops with the same message, none waits
+        raise SystemExit(f"longdoc verify: --cp {spec.cp} but the launcher started {world_size} "
+                         f"processes; pass --cp {world_size}")
+    with process_group("gloo", timeout=spec.timeout) as world:
+        result = _rank(world.rank, world.world_size, spec)
+        return _report(spec, result) if world.is_main else 0
 
 
 # ---- one rank ----

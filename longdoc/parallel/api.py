@@ -23,7 +23,6 @@ def check_strategy(strategy: str) -> str:
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))}, got {strategy!r}")
     return strategy
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 class ContextParallel:

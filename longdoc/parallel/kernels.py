@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from longdoc.parallel.layout import round_up
+
 aten = torch.ops.aten
 
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, float], tuple[torch.Tensor, torch.Tensor]]
@@ -146,7 +148,7 @@ def _cuda_efficient_forward(q, k, v, causal, scale):
 
 def _cuda_efficient_backward(dout, q, k, v, out, lse, causal, scale):
     ke, ve = _expand_kv(q, k, v)
-    padded = -(-q.shape[2] // 32) * 32
+    padded = round_up(q.shape[2], 32)
     lse_p = torch.zeros(*lse.shape[:2], padded, dtype=torch.float32, device=lse.device)
     lse_p[..., : q.shape[2]] = lse
     seed = torch.zeros((), dtype=torch.int64, device=q.device)

@@ -20,7 +20,15 @@ from typing import Any, Literal
 
 import yaml
 
-DTYPES = ("float32", "bfloat16", "float16")
+from longdoc.parallel.api import STRATEGIES, Strategy
+from longdoc.parallel.layout import LAYOUTS, Layout
+
+# Literal field types: a recipe value outside them is refused at load time with the valid choices (_coerce)
+Dtype = Literal["float32", "bfloat16", "float16"]
+DTYPES: tuple[str, ...] = typing.get_args(Dtype)
+OnNonfinite = Literal["skip", "abort"]
+Task = Literal["qa", "pretrain"]
+Decay = Literal["cosine", "linear", "constant"]
 MIXED = ("auto", "no", "bf16")
 ROPE_TYPES = ("linear", "yarn")
 
@@ -37,7 +45,7 @@ def _check(cond: bool, key: str, msg: str) -> None:
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
     name: str = "SmolLM2-135M-Instruct"  # longdoc.models.load name, local folder, hub id or "tiny:<arch>"
-    dtype: str = "float32"  # dtype the weights are kept in; bf16 compute on GPU is `train.mixed_precision`
+    dtype: Dtype = "float32"  # dtype the weights are kept in; bf16 compute on GPU is `train.mixed_precision`
     rope_type: str | None = None  # "linear" | "yarn": extend the context beyond the pretrained length
     rope_factor: float = 1.0
     max_position_embeddings: int | None = None  # new context length; default original * rope_factor
@@ -77,7 +85,7 @@ class LoraConfig:
 class DataConfig:
     path: str = ""  # documents (jsonl/json/parquet/csv/text folder/hub id), `longdoc data prepare` rows, "random"
     seq_len: int = 4096  # tokens per training sequence (window), before CP sharding
-    task: str = "qa"  # for raw documents: "qa" (document + question -> answer, loss on answers) | "pretrain"
+    task: Task = "qa"  # for raw documents: "qa" (document + question -> answer, loss on answers) | "pretrain"
     text_field: str | None = None  # pretrain: the documents' text field; null picks text/document/content
     max_sequences: int | None = None  # use only the first N windows (quick runs)
     shuffle: bool = True
@@ -86,7 +94,7 @@ class DataConfig:
     def __post_init__(self):
         _check(bool(self.path), "data.path", "name a jsonl file or folder (make one with `longdoc data synth "
                "--domain legal`), or 'random' for random tokens")
-        _check(self.task in ("qa", "pretrain"), "data.task", f"must be 'qa' or 'pretrain', got {self.task!r}")
+        _check(self.task in typing.get_args(Task), "data.task", f"must be 'qa' or 'pretrain', got {self.task!r}")
         _check(self.seq_len >= 2, "data.seq_len", f"must be at least 2 tokens, got {self.seq_len}")
         _check(self.max_sequences is None or self.max_sequences > 0, "data.max_sequences", "must be positive")
         _check(self.random_size > 0, "data.random_size", "must be positive")
@@ -99,7 +107,7 @@ class OptimConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     warmup_steps: int = 0
-    decay: str = "cosine"  # "cosine" | "linear" | "constant" after warmup
+    decay: Decay = "cosine"  # "cosine" | "linear" | "constant" after warmup
     min_lr_ratio: float = 0.1  # the decayed LR ends at lr * min_lr_ratio
     max_grad_norm: float | None = 1.0
 
@@ -110,8 +118,8 @@ class OptimConfig:
                f"must be two numbers in [0, 1), got {self.betas}")
         _check(self.eps > 0, "optim.eps", "must be positive")
         _check(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
-        _check(self.decay in ("cosine", "linear", "constant"), "optim.decay",
-               f"must be one of ('cosine', 'linear', 'constant'), got {self.decay!r}")
+        _check(self.decay in typing.get_args(Decay), "optim.decay",
+               f"must be one of {typing.get_args(Decay)}, got {self.decay!r}")
         _check(0.0 <= self.min_lr_ratio <= 1.0, "optim.min_lr_ratio", "must be in [0, 1]")
         _check(self.max_grad_norm is None or self.max_grad_norm > 0, "optim.max_grad_norm",
                "must be positive, or null to disable clipping")
@@ -126,10 +134,10 @@ class TrainConfig:
     activation_checkpointing: bool = True
     loss_chunk_tokens: int = 1024  # CE over this many tokens at a time: logits never exist in full
     fsdp: bool = False  # shard parameters/gradients/optimizer with FSDP2 (GPU, NCCL)
-    layout: str = "zigzag"
-    strategy: str = "ring"
+    layout: Layout = "zigzag"
+    strategy: Strategy = "ring"
     comm_timeout: float = 600.0  # seconds any collective may wait before the run fails
-    on_nonfinite: str = "skip"  # a NaN/Inf loss or gradient: "skip" the step (counted) or "abort"
+    on_nonfinite: OnNonfinite = "skip"  # a NaN/Inf loss or gradient: "skip" the step (counted) or "abort"
     max_skipped_steps: int = 10  # abort after this many skipped steps in a row
     # CPU (glibc): hand freed tensor memory back to the OS at once instead of keeping 0.5-2 GiB of it per
     # process (a few percent of step time; longdoc.train.metrics.return_freed_memory)
@@ -143,12 +151,11 @@ class TrainConfig:
                f"must be a multiple of train.micro_batch_size ({self.micro_batch_size}), got {self.batch_size}")
         _check(self.mixed_precision in MIXED, "train.mixed_precision", f"must be one of {MIXED}")
         _check(self.loss_chunk_tokens > 0, "train.loss_chunk_tokens", "must be positive")
-        _check(self.layout in ("zigzag", "contiguous"), "train.layout",
-               f"must be one of ('zigzag', 'contiguous'), got {self.layout!r}")
-        _check(self.strategy in ("ring", "allgather"), "train.strategy",
-               f"must be one of ('ring', 'allgather'), got {self.strategy!r}")
+        # repeated from the Literal types for a TrainConfig built in code rather than from a recipe
+        _check(self.layout in LAYOUTS, "train.layout", f"must be one of {LAYOUTS}, got {self.layout!r}")
+        _check(self.strategy in STRATEGIES, "train.strategy", f"must be one of {STRATEGIES}, got {self.strategy!r}")
         _check(self.comm_timeout > 0, "train.comm_timeout", "must be positive seconds")
-        _check(self.on_nonfinite in ("skip", "abort"), "train.on_nonfinite", "must be 'skip' or 'abort'")
+        _check(self.on_nonfinite in typing.get_args(OnNonfinite), "train.on_nonfinite", "must be 'skip' or 'abort'")
         _check(self.max_skipped_steps >= 0, "train.max_skipped_steps", "must be >= 0")
 
 

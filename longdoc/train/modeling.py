@@ -7,16 +7,17 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import shutil
 import warnings
 from pathlib import Path
 
 import torch
 
+from longdoc.io import building_dir
 from longdoc.train.config import LoraConfig, ModelConfig, RecipeError, TrainConfig
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# recipe model.dtype (config.DTYPES) -> the torch dtype the weights are loaded in
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def rope_parameters(config, cfg: ModelConfig) -> tuple[dict, int]:
@@ -42,7 +43,7 @@ def build(mcfg: ModelConfig, lcfg: LoraConfig, tcfg: TrainConfig, cp, seq_len: i
     import longdoc
     from longdoc import models
 
-    dtype = _DTYPES[mcfg.dtype]
+    dtype = _TORCH_DTYPES[mcfg.dtype]
     kwargs: dict = {}
     tiny = mcfg.name.startswith(models.TINY_PREFIX)
     if tiny:
@@ -135,8 +136,8 @@ def export(model, tokenizer, out: Path, merge_lora: bool, state_dict: dict | Non
     from longdoc.hf import unpatch
 
     out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    for stale in out.parent.glob(f".{out.name}.tmp-*"):  # left by an export that was killed mid-write
+        shutil.rmtree(stale, ignore_errors=True)
     unpatch(model)
     is_peft = hasattr(model, "get_base_model")
     if is_peft and merge_lora:
@@ -148,15 +149,10 @@ def export(model, tokenizer, out: Path, merge_lora: bool, state_dict: dict | Non
     elif getattr(base, "is_gradient_checkpointing", False):
         base.gradient_checkpointing_disable()
     base.config.use_cache = True
-    if state_dict is not None:
-        model.save_pretrained(tmp, state_dict=state_dict)
-    else:
-        model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if out.exists():
-        old = out.with_name(f".{out.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(out, old)
-        shutil.rmtree(old, ignore_errors=True)
-    os.rename(tmp, out)
+    with building_dir(out) as tmp:  # the folder appears complete or not at all; a previous export is replaced
+        if state_dict is not None:
+            model.save_pretrained(tmp, state_dict=state_dict)
+        else:
+            model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
     return out

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from longdoc.launch import launched_world
 from longdoc.train.config import Recipe, RecipeError
 from longdoc.train.metrics import return_freed_memory
 
@@ -49,22 +50,9 @@ class World:
         return self.cp.size
 
 
-def _env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default
-
-
-def launched_world_size() -> int:
-    """World size from the launcher's environment (torchrun / accelerate launch), or an initialized group."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return _env_int("WORLD_SIZE", 1)
-
-
-def check_layout(recipe: Recipe, world_size: int, cuda: bool) -> tuple[int, int]:
-    """(dp, cp) for this world, or a RecipeError naming the fix. Pure: identical on every rank."""
+def check_launch(recipe: Recipe, world_size: int, cuda: bool) -> tuple[int, int]:
+    """(dp, cp) for a recipe launched on `world_size` processes, or a RecipeError naming the fix. Pure:
+    identical on every rank."""
     cp = recipe.cp_size
     if world_size == 1 and cp > 1:
         hint = ""
@@ -118,8 +106,8 @@ def start(recipe: Recipe, log_with: list | None = None, wrap_classes: list[str] 
     cuda = torch.cuda.is_available()
     if not cuda and recipe.train.release_freed_memory:
         return_freed_memory()  # first, so the model load and every step run under it
-    expected = launched_world_size()
-    dp, cp = check_layout(recipe, expected, cuda)  # before joining anything: same error on every rank
+    expected = launched_world().world_size
+    dp, cp = check_launch(recipe, expected, cuda)  # before joining anything: same error on every rank
     mixed = recipe.train.mixed_precision
     mixed = ("bf16" if cuda else "no") if mixed == "auto" else mixed
     timeout = datetime.timedelta(seconds=recipe.train.comm_timeout)

@@ -1,4 +1,5 @@
-"""Benchmarks on real gloo ranks: the attention sweep, and the planner against measured peak memory (issue 8)."""
+"""Benchmarks on real gloo ranks: the attention sweep (E and Z per length), and the planner's peak-memory estimate
+within calibrate.TOLERANCE of the peak measured in real training runs."""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from longdoc.parallel.layout import round_up
 from tests.distributed import run_ranks
 
 LOGITS_TOL, LOSS_TOL, GRAD_TOL = 1e-4, 1e-5, 1e-4
@@ -68,7 +69,7 @@ def _compare(model, cp, batch, ref, group=None) -> tuple[float, float, float]:
         grad_err = max(grad_err, ((g - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp_min(1e-12)).item())
     # logits: this rank's shard of the reference, compared on real (non-padded) tokens only
     bsz, length = batch["input_ids"].shape
-    padded = -(-length // cp.multiple) * cp.multiple
+    padded = round_up(length, cp.multiple)
     real = torch.zeros(bsz, padded, dtype=torch.bool)
     real[:, :length] = batch.get("attention_mask", torch.ones(bsz, length)).bool()
     full = torch.zeros(bsz, padded, ref_logits.shape[-1])
@@ -143,7 +144,7 @@ def _rank_prefill(rank: int, world_size: int) -> dict[str, float]:
         ref = models.tiny_model(arch, seed=5)(**batch).logits.detach()
         model = longdoc.patch(models.tiny_model(arch, seed=5), cp)
         local = prefill(model, cp, batch)
-        padded = -(-43 // cp.multiple) * cp.multiple
+        padded = round_up(43, cp.multiple)
         full = torch.zeros(2, padded, ref.shape[-1])
         full[:, :43] = ref
         pos = [42, 0, 17, 30]

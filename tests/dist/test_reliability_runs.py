@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist.test_train import _accelerate_env, tiny_recipe
-from tests.dist.test_train_faults import train_with_nan_at
+from tests.training import accelerate_env, tiny_recipe, train_with_nan_at
 from tests.distributed import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,7 +58,7 @@ def test_cli_run_writes_only_inside_output_dir_and_refuses_damage_clearly(tmp_pa
 
 def train_with_skewed_batch(rank: int, world_size: int, recipe: dict, overrides: list[str]):
     """Rank 1's collate returns a batch 8 tokens longer than rank 0's in step 2: a data bug on one CP rank."""
-    _accelerate_env(rank, world_size)
+    accelerate_env(rank, world_size)
     from longdoc.train import data, loop, recipe_from_dict
 
     collate, calls = data.collate, {"n": 0}

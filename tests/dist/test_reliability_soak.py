@@ -10,14 +10,14 @@ import json
 
 import pytest
 
-from tests.dist.test_train import _accelerate_env, tiny_recipe
+from tests.training import accelerate_env, tiny_recipe
 from tests.distributed import run_ranks
 
 STEPS = 200
 
 
 def soak(rank: int, world_size: int, recipe: dict, overrides: list[str]):
-    _accelerate_env(rank, world_size)
+    accelerate_env(rank, world_size)
     import gc
     import warnings
 

@@ -1,32 +1,17 @@
-"""Training with dp x cp on gloo ranks equals single-process training (issue 5 acceptance)."""
+"""Training with dp x cp on gloo ranks equals single-process training: the same logged losses, token counts and
+gradient norms on every rank, the same reduced gradients, and the same final weights."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.distributed import run_ranks
-
-
-def ranks(world_size: int, fn, *args, **kwargs):
-    """run_ranks with a generous collective timeout: on a loaded 2-core machine one rank can lag the other
-    by more than the 30 s default (the loop's own collectives use train.comm_timeout in real runs)."""
-    kwargs.setdefault("pg_timeout", 300)
-    return run_ranks(world_size, fn, *args, **kwargs)
-
-
-def _accelerate_env(rank: int, world_size: int) -> None:
-    # run_ranks has already joined the gloo group; Accelerate reads the launcher's variables.
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500",
-                      OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+from tests.training import accelerate_env, ranks, tiny_recipe
 
 
 def train_on_ranks(rank: int, world_size: int, recipe: dict, overrides: list[str]):
-    _accelerate_env(rank, world_size)
+    accelerate_env(rank, world_size)
     from longdoc.train import recipe_from_dict
     from longdoc.train.loop import train
 
@@ -40,24 +25,6 @@ def train_on_ranks(rank: int, world_size: int, recipe: dict, overrides: list[str
     torch.optim.AdamW.step = recording_step
     result = train(recipe_from_dict(recipe, overrides))
     return [(s.step, s.loss, s.tokens, s.grad_norm) for s in result.history], grads
-
-
-def tiny_recipe(out, **sections) -> dict:
-    r = {
-        "output_dir": str(out),
-        "model": {"name": "tiny:llama", "overrides": {"vocab_size": 256}},
-        "data": {"path": "random", "seq_len": 96, "random_size": 12},
-        # eps 1e-6 rather than 1e-8: Adam turns a gradient element of ~1e-10 into a full +-lr step, so
-        # float rounding in such an element (any change of summation order does it) would show as a
-        # 1e-4 parameter difference that says nothing about CP. Gradient norms are compared exactly too.
-        "optim": {"lr": 1e-3, "eps": 1e-6, "warmup_steps": 1, "max_grad_norm": 1.0, "weight_decay": 0.01},
-        "train": {"steps": 3, "batch_size": 2, "loss_chunk_tokens": 16},
-        "checkpoint": {"every": 0, "at_end": False, "export": True},
-        "log": {"progress": False, "tensorboard": False, "plot": False},
-    }
-    for k, v in sections.items():
-        r.setdefault(k, {}).update(v) if isinstance(v, dict) else r.__setitem__(k, v)
-    return r
 
 
 def max_rel_err(a: dict, b: dict) -> float:

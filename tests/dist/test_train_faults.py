@@ -4,40 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist.test_train import _accelerate_env, ranks, tiny_recipe
-
-
-def train_with_nan_at(rank: int, world_size: int, recipe: dict, overrides: list[str], bad_step: int):
-    """Make the loss NaN on rank 0 only at optimizer step `bad_step` (1-based); return history and weights."""
-    _accelerate_env(rank, world_size)
-    import torch
-
-    from longdoc.train import recipe_from_dict
-    from longdoc.train.loop import train
-    from longdoc.train.loss import LossModel
-
-    forward, calls = LossModel.forward, {"n": 0}
-
-    def poisoned(self, *args, **kwargs):
-        share, ce = forward(self, *args, **kwargs)
-        if kwargs.get("probe"):
-            return share, ce  # the start-up logits check, not a training step
-        calls["n"] += 1
-        if calls["n"] == bad_step and rank == 0:
-            share = share * torch.tensor(float("nan"))
-        return share, ce
-
-    LossModel.forward = poisoned
-    snapshots = []
-
-    def on_step(info):
-        snapshots.append(float(sum(p.detach().double().sum() for p in info.world.accelerator._models[0].parameters())))
-
-    try:
-        hist = train(recipe_from_dict(recipe, overrides), on_step=on_step).history
-    except FloatingPointError as e:
-        return ("aborted", str(e))
-    return [(s.step, s.skipped) for s in hist], snapshots
+from tests.training import accelerate_env, ranks, tiny_recipe, train_with_nan_at
 
 
 def test_nonfinite_step_is_skipped_on_every_rank_or_aborts(tmp_path):
@@ -52,7 +19,7 @@ def test_nonfinite_step_is_skipped_on_every_rank_or_aborts(tmp_path):
 
 
 def train_plain(rank: int, world_size: int, recipe: dict, overrides: list[str]):
-    _accelerate_env(rank, world_size)
+    accelerate_env(rank, world_size)
     from longdoc.train import checkpoint, recipe_from_dict
     from longdoc.train.config import RecipeError
     from longdoc.train.loop import train

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist.test_train import _accelerate_env
+from tests.training import accelerate_env
 from tests.distributed import run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(4 * 3600)]
 
 
 def measure_on_ranks(rank: int, world_size: int, recipe: dict, overrides: list[str]):
-    _accelerate_env(rank, world_size)
+    accelerate_env(rank, world_size)
     from longdoc.train import recipe_from_dict
     from longdoc.train.loop import train
 

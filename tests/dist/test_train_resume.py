@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist.test_train import _accelerate_env, ranks, tiny_recipe
+from tests.training import accelerate_env, ranks, tiny_recipe
 
 
 def train_until_killed(rank: int, world_size: int, recipe: dict, overrides: list[str], kill_at: str, pids: str):
     """Train; when rank 0 is about to rename `kill_at` into place, SIGKILL every rank (the whole job)."""
-    _accelerate_env(rank, world_size)
+    accelerate_env(rank, world_size)
     Path(pids, f"{rank}.pid").write_text(str(os.getpid()))
     from longdoc.train import checkpoint, recipe_from_dict
     from longdoc.train.loop import train
@@ -35,7 +35,7 @@ def train_until_killed(rank: int, world_size: int, recipe: dict, overrides: list
 
 
 def train_history(rank: int, world_size: int, recipe: dict, overrides: list[str]):
-    _accelerate_env(rank, world_size)
+    accelerate_env(rank, world_size)
     from longdoc.train import recipe_from_dict
     from longdoc.train.loop import train
 

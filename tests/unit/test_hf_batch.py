@@ -12,35 +12,7 @@ import torch.nn.functional as F
 
 import longdoc
 from longdoc.hf import shard_batch, shift_labels
-from longdoc.parallel import layout
-
-
-class FakeCP:
-    """The layout part of ContextParallel for rank `rank` of `size`, without a process group."""
-
-    def __init__(self, rank: int, size: int, layout_name: str = "zigzag"):
-        self.rank, self.size, self.layout = rank, size, layout_name
-
-    @property
-    def multiple(self) -> int:
-        return layout.num_chunks(self.layout, self.size)
-
-    def shard(self, x, dim=1):
-        return layout.shard(x, dim, self.rank, self.size, self.layout)
-
-    def positions(self, seq_len, device=None):
-        return layout.positions(seq_len, self.rank, self.size, self.layout, device=device)
-
-
-def _share(logits_full: torch.Tensor, local: dict, cp: FakeCP) -> torch.Tensor:
-    """What the patched model's loss computes on one rank, from the full logits."""
-    padded = local["input_ids"].shape[1] * cp.size
-    full = torch.zeros(logits_full.shape[0], padded, logits_full.shape[2])
-    full[:, : logits_full.shape[1]] = logits_full
-    local_logits = cp.shard(full, dim=1)
-    loss = F.cross_entropy(local_logits.reshape(-1, full.shape[-1]), local["shift_labels"].reshape(-1),
-                           ignore_index=-100, reduction="sum")
-    return loss / local["num_items_in_batch"]
+from tests.fake_cp import FakeCP, loss_share
 
 
 @pytest.mark.parametrize("size,layout_name", [(1, "zigzag"), (2, "zigzag"), (4, "zigzag"), (3, "contiguous")])
@@ -64,7 +36,7 @@ def test_shares_sum_to_the_single_device_mean(size, layout_name, length):
         assert local["input_ids"].shape[1] * size % cp.multiple == 0
         assert int(local["num_items_in_batch"]) == int((ref_labels[:, 1:] != -100).sum())
         assert "attention_mask" not in local
-        shares.append(_share(logits, local, cp))
+        shares.append(loss_share(logits, local, cp))
     assert torch.allclose(torch.stack(shares).sum(), ref, atol=1e-6, rtol=1e-6)
 
 

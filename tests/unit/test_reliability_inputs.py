@@ -23,8 +23,8 @@ import torch
 import longdoc
 from longdoc import models
 from longdoc.train.config import RecipeError, recipe_from_dict
-from longdoc.train.world import check_layout
-from tests.unit.test_hf_batch import FakeCP, _share
+from longdoc.train.world import check_launch
+from tests.fake_cp import FakeCP, loss_share
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,9 +33,9 @@ def test_cp_size_must_divide_the_world_size():
     recipe = recipe_from_dict({"data": {"path": "random"}}, ["cp_size=3"])
     with pytest.raises(RecipeError, match=re.escape("cp_size=3 must divide the number of processes (4); use a "
                                                     "cp_size among [1, 2, 4]")):
-        check_layout(recipe, 4, cuda=False)
+        check_launch(recipe, 4, cuda=False)
     with pytest.raises(RecipeError, match="cp_size=3 needs at least 3 processes, but this run has 1"):
-        check_layout(recipe, 1, cuda=False)
+        check_launch(recipe, 1, cuda=False)
 
 
 def test_sequence_shorter_than_the_cp_size_is_padded_and_exact():
@@ -48,7 +48,7 @@ def test_sequence_shorter_than_the_cp_size_is_padded_and_exact():
     for rank in range(4):
         cp = FakeCP(rank, 4)
         local = longdoc.hf.shard_batch({"input_ids": ids, "labels": ids.clone()}, cp)
-        total = total + _share(logits, local, cp)
+        total = total + loss_share(logits, local, cp)
         assert local["input_ids"].shape == (1, 2)
     torch.testing.assert_close(total, want, atol=1e-6, rtol=1e-6)
     with pytest.raises(ValueError, match=r"needs a multiple of 2\); pad it to 4, or use cp.shard_batch"):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from longdoc.train.config import RecipeError, load_recipe, recipe_from_dict
-from longdoc.train.world import check_layout
+from longdoc.train.world import check_launch
 
 RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
 
@@ -60,18 +60,18 @@ def test_shipped_recipes_load_and_say_how_to_launch(path):
 
 def test_launch_layout_checks(monkeypatch):
     r = recipe_from_dict({"data": {"path": "random"}}, ["cp_size=2", "train.batch_size=2"])
-    assert check_layout(r, 4, cuda=False) == (2, 2)
-    assert check_layout(r, 2, cuda=False) == (1, 2)
+    assert check_launch(r, 4, cuda=False) == (2, 2)
+    assert check_launch(r, 2, cuda=False) == (1, 2)
     with pytest.raises(RecipeError, match=r"cp_size=2 must divide the number of processes \(3\)"):
-        check_layout(r, 3, cuda=False)
+        check_launch(r, 3, cuda=False)
     monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
     with pytest.raises(RecipeError, match=r"needs at least 2 processes.*use_cpu.*--multi_gpu --num_processes"):
-        check_layout(r, 1, cuda=False)
+        check_launch(r, 1, cuda=False)
     r3 = recipe_from_dict({"data": {"path": "random"}}, ["cp_size=1", "train.batch_size=3"])
     with pytest.raises(RecipeError, match=r"batch_size=3 must be a multiple"):
-        check_layout(r3, 2, cuda=False)
+        check_launch(r3, 2, cuda=False)
     with pytest.raises(RecipeError, match="fsdp=true needs CUDA"):
-        check_layout(recipe_from_dict({"data": {"path": "random"}}, ["train.fsdp=true"]), 1, cuda=False)
+        check_launch(recipe_from_dict({"data": {"path": "random"}}, ["train.fsdp=true"]), 1, cuda=False)
 
 
 def test_cli_print_and_error_exit_codes(capsys, tmp_path):
@@ -99,7 +99,7 @@ def test_recipe_fits_the_launch_its_header_names(path):
     recipe = load_recipe(path)
     cuda = "cpu" not in launch.group(1)
     assert recipe.train.fsdp == cuda  # GPU recipes shard with FSDP2; the CPU demo replicates (DDP)
-    check_layout(recipe, int(cfg["num_processes"]), cuda=cuda)
+    check_launch(recipe, int(cfg["num_processes"]), cuda=cuda)
     assert f"recipes/{path.name}" in header
 
 

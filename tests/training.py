@@ -1,0 +1,74 @@
+"""Shared pieces of the distributed training tests: a tiny recipe, the launcher variables Accelerate reads,
+run_ranks with a generous timeout, and rank functions more than one test module runs.
+
+Rank functions live in a plain module (not a test module, not a fixture) because longdoc.spawn pickles
+them by module and name into fresh processes.
+"""
+
+from __future__ import annotations
+
+from longdoc.launch import set_launcher_env
+from tests.distributed import run_ranks
+
+
+def ranks(world_size: int, fn, *args, **kwargs):
+    """run_ranks with a generous collective timeout: on a loaded 2-core machine one rank can lag the other
+    by more than the 30 s default (the loop's own collectives use train.comm_timeout in real runs)."""
+    kwargs.setdefault("pg_timeout", 300)
+    return run_ranks(world_size, fn, *args, **kwargs)
+
+
+def accelerate_env(rank: int, world_size: int) -> None:
+    """run_ranks has already joined the gloo group; Accelerate reads the launcher's variables."""
+    set_launcher_env(rank, world_size, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+
+
+def tiny_recipe(out, **sections) -> dict:
+    r = {
+        "output_dir": str(out),
+        "model": {"name": "tiny:llama", "overrides": {"vocab_size": 256}},
+        "data": {"path": "random", "seq_len": 96, "random_size": 12},
+        # eps 1e-6 rather than 1e-8: Adam turns a gradient element of ~1e-10 into a full +-lr step, so
+        # float rounding in such an element (any change of summation order does it) would show as a
+        # 1e-4 parameter difference that says nothing about CP. Gradient norms are compared exactly too.
+        "optim": {"lr": 1e-3, "eps": 1e-6, "warmup_steps": 1, "max_grad_norm": 1.0, "weight_decay": 0.01},
+        "train": {"steps": 3, "batch_size": 2, "loss_chunk_tokens": 16},
+        "checkpoint": {"every": 0, "at_end": False, "export": True},
+        "log": {"progress": False, "tensorboard": False, "plot": False},
+    }
+    for k, v in sections.items():
+        r.setdefault(k, {}).update(v) if isinstance(v, dict) else r.__setitem__(k, v)
+    return r
+
+
+def train_with_nan_at(rank: int, world_size: int, recipe: dict, overrides: list[str], bad_step: int):
+    """Make the loss NaN on rank 0 only at optimizer step `bad_step` (1-based); return history and weights."""
+    accelerate_env(rank, world_size)
+    import torch
+
+    from longdoc.train import recipe_from_dict
+    from longdoc.train.loop import train
+    from longdoc.train.loss import LossModel
+
+    forward, calls = LossModel.forward, {"n": 0}
+
+    def poisoned(self, *args, **kwargs):
+        share, ce = forward(self, *args, **kwargs)
+        if kwargs.get("probe"):
+            return share, ce  # the start-up logits check, not a training step
+        calls["n"] += 1
+        if calls["n"] == bad_step and rank == 0:
+            share = share * torch.tensor(float("nan"))
+        return share, ce
+
+    LossModel.forward = poisoned
+    snapshots = []
+
+    def on_step(info):
+        snapshots.append(float(sum(p.detach().double().sum() for p in info.world.accelerator._models[0].parameters())))
+
+    try:
+        hist = train(recipe_from_dict(recipe, overrides), on_step=on_step).history
+    except FloatingPointError as e:
+        return ("aborted", str(e))
+    return [(s.step, s.skipped) for s in hist], snapshots

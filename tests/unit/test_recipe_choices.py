@@ -1,0 +1,43 @@
+"""Recipe fields with a fixed set of values are Literal types (the CP core's Layout and Strategy for the CP
+ones), and a value outside the set is refused at load time with the valid choices."""
+
+from __future__ import annotations
+
+import re
+import typing
+
+import pytest
+
+from longdoc.parallel.api import STRATEGIES, Strategy
+from longdoc.parallel.layout import LAYOUTS, Layout
+from longdoc.train.config import ModelConfig, RecipeError, TrainConfig, recipe_from_dict
+
+
+def test_cp_fields_use_the_core_types():
+    hints = typing.get_type_hints(TrainConfig)
+    assert hints["layout"] is Layout and hints["strategy"] is Strategy
+    assert typing.get_args(hints["layout"]) == LAYOUTS and typing.get_args(hints["strategy"]) == STRATEGIES
+
+
+@pytest.mark.parametrize("override,choices", [
+    ("train.layout=zz", "('zigzag', 'contiguous')"),
+    ("train.strategy=p2p", "('ring', 'allgather')"),
+    ("model.dtype=fp8", "('float32', 'bfloat16', 'float16')"),
+    ("train.on_nonfinite=ignore", "('skip', 'abort')"),
+    ("optim.decay=step", "('cosine', 'linear', 'constant')"),
+    ("data.task=chat", "('qa', 'pretrain')"),
+])
+def test_a_value_outside_the_choices_names_them(override, choices):
+    key, value = override.split("=")
+    with pytest.raises(RecipeError, match=re.escape(f"{key}: must be one of {choices}, got {value!r}")):
+        recipe_from_dict({"data": {"path": "random"}}, [override])
+
+
+def test_valid_choices_load_and_code_built_sections_are_checked_too():
+    r = recipe_from_dict({"data": {"path": "random"}}, ["train.layout=contiguous", "train.strategy=allgather",
+                                                        "model.dtype=bfloat16"])
+    assert (r.train.layout, r.train.strategy, r.model.dtype) == ("contiguous", "allgather", "bfloat16")
+    with pytest.raises(RecipeError, match=r"train.strategy: must be one of \('ring', 'allgather'\)"):
+        TrainConfig(strategy="p2p")
+    with pytest.raises(RecipeError, match="model.dtype: must be one of"):
+        ModelConfig(dtype="fp8")
