@@ -68,7 +68,7 @@ def launcher_env(rank: int, world_size: int) -> None:
 
 def run_trainer(case: dict, out: str, cp_size: int | None, dp: int = 1, resume: bool = False) -> dict:
     """Train `case` for 3 steps (cp_size None: plain transformers / TRL trainer, batch sizes times dp so the
-    global batch matches), then evaluate; return the logged (loss, grad_norm) per step and eval_loss."""
+    global batch matches; eval batches stay equal), then evaluate; return the logged (loss, grad_norm) per step and eval_loss."""
     from transformers import Trainer, TrainingArguments
 
     from longdoc.hf.trainer import CPTrainerMixin
@@ -79,7 +79,7 @@ def run_trainer(case: dict, out: str, cp_size: int | None, dp: int = 1, resume: 
                   adam_epsilon=1e-6, weight_decay=0.01, logging_steps=1, report_to="none", use_cpu=True, seed=0,
                   per_device_train_batch_size=case["batch"] * scale,
                   gradient_accumulation_steps=case["accum"],
-                  per_device_eval_batch_size=case["eval_batch"] * scale,
+                  per_device_eval_batch_size=case["eval_batch"],  # eval_loss averages batch means
                   average_tokens_across_devices=case.get("average_tokens", True),
                   save_strategy="steps" if case.get("save") else "no", save_steps=2,
                   disable_tqdm=True, dataloader_num_workers=0, remove_unused_columns=False)
