@@ -67,8 +67,10 @@ def launcher_env(rank: int, world_size: int) -> None:
 
 
 def run_trainer(case: dict, out: str, cp_size: int | None, dp: int = 1, resume: bool = False) -> dict:
-    """Train `case` for 3 steps (cp_size None: plain transformers / TRL trainer, batch sizes times dp so the
-    global batch matches; eval batches stay equal), then evaluate; return the logged (loss, grad_norm) per step and eval_loss."""
+    """Train `case` for 3 steps, then evaluate; return the logged (step, loss, grad_norm) and eval_loss.
+
+    cp_size None: the plain transformers / TRL trainer, train batch sizes times dp so the global batch matches
+    (eval batches stay equal: eval_loss averages batch means)."""
     from transformers import Trainer, TrainingArguments
 
     from longdoc.hf.trainer import CPTrainerMixin
@@ -87,13 +89,14 @@ def run_trainer(case: dict, out: str, cp_size: int | None, dp: int = 1, resume: 
     if case.get("lora"):
         from peft import LoraConfig, get_peft_model
 
+        torch.manual_seed(0)  # LoRA's A matrices come from the global RNG: the same in the reference and every rank
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     if case.get("checkpointing"):
         common.update(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
     extra = {} if cp_size is None else {"cp_size": cp_size}
     if case["kind"] == "sft":
-        from trl import SFTConfig, SFTTrainer
         from datasets import Dataset
+        from trl import SFTConfig, SFTTrainer
 
         base = SFTTrainer if cp_size is None else type("CPSFTTrainer", (CPTrainerMixin, SFTTrainer), {})
         args = SFTConfig(**common, max_length=None, completion_only_loss=True, bf16=False)  # TRL defaults to bf16
