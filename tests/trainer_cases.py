@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 VOCAB = 256
@@ -59,6 +60,19 @@ def sft_rows(lengths: list[int], seed: int) -> list[dict]:
     return out
 
 
+def argmax_logits(logits, labels):
+    return logits.argmax(-1)
+
+
+def token_accuracy(pred) -> dict:
+    """Next-token accuracy from gathered argmax predictions: needs the FULL sequence's logits in order."""
+    guess, labels = pred.predictions[:, :-1], pred.label_ids[:, 1:]
+    keep = labels != -100
+    # accuracy of a random model is ~0 either way; the checksum pins every prediction and its position
+    where = guess.astype("int64") * keep * (1 + np.arange(guess.shape[1]))
+    return {"accuracy": float((guess == labels)[keep].mean()), "scored": int(keep.sum()), "checksum": int(where.sum())}
+
+
 def launcher_env(rank: int, world_size: int) -> None:
     # run_ranks has already joined the gloo group; Trainer's PartialState reads the launcher's variables.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -107,8 +121,12 @@ def run_trainer(case: dict, out: str, cp_size: int | None, dp: int = 1, resume: 
         from longdoc.hf.trainer import CPTrainer
 
         base = Trainer if cp_size is None else CPTrainer
+        if case.get("metrics"):
+            extra.update(compute_metrics=token_accuracy, preprocess_logits_for_metrics=argmax_logits)
         trainer = base(model=model, args=TrainingArguments(**common), data_collator=collate,
                        train_dataset=rows(TRAIN_LENGTHS, 0), eval_dataset=rows(EVAL_LENGTHS, 1), **extra)
     trainer.train(resume_from_checkpoint=resume or None)
     logs = [(h["step"], h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
-    return {"logs": logs, "eval_loss": trainer.evaluate()["eval_loss"]}
+    metrics = trainer.evaluate()
+    return {"logs": logs, "eval_loss": metrics["eval_loss"],
+            "eval_metrics": [metrics.get(f"eval_{k}") for k in ("accuracy", "scored", "checksum")]}

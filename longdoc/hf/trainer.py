@@ -206,7 +206,9 @@ class CPTrainerMixin:
         if not batch_samples or "labels" not in batch_samples[0]:
             return None
         n = sum(self._count_loss_tokens(self._full_batch(b)) for b in batch_samples).to(device)
-        if self.args.average_tokens_across_devices and self._dp_group is not None and self.cp_dp_size > 1:
+        # (evaluation ignores the count: each batch's loss is its own mean, as on one process)
+        if (self.args.average_tokens_across_devices and self._dp_group is not None and self.cp_dp_size > 1
+                and self.model.training):
             n = n.clone()
             dist.all_reduce(n, group=self._dp_group)
         return n
