@@ -20,8 +20,6 @@ REL = 1e-5
 CP2_CASES = {
     # compute_metrics on the gathered logits: they must be the full sequence's, in token order
     "trainer-accum2": {"kind": "trainer", "batch": 1, "accum": 2, "eval_batch": 2, "metrics": True},
-    "trainer-per-replica-tokens": {"kind": "trainer", "batch": 2, "accum": 1, "eval_batch": 2,
-                                   "average_tokens": False},
     "sft-completion-only": {"kind": "sft", "batch": 1, "accum": 2, "eval_batch": 2},
 }
 DP2CP2_CASES = {
