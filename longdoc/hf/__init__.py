@@ -8,6 +8,7 @@ Importing this package imports transformers; `import longdoc` alone does not.
     decode.py     the decode mathematics: sharded KV cache, extend attention, token choice
     prefill.py    evaluation forwards without a cache: logits / log-probs at chosen positions
     verify.py     `longdoc verify`
+    trainer.py    CPTrainer / CPTrainerMixin: transformers.Trainer (and TRL) under CP
 """
 
 from longdoc.hf.attention import UnsupportedFeatureError
@@ -15,5 +16,14 @@ from longdoc.hf.patch import is_patched, patch, unpatch
 from longdoc.hf.session import Generation, KVSession, generate
 from longdoc.parallel.batch import CPInputError, shard_batch, shift_labels
 
-__all__ = ["CPInputError", "Generation", "KVSession", "UnsupportedFeatureError", "generate", "is_patched", "patch",
-           "shard_batch", "shift_labels", "unpatch"]
+__all__ = ["CPInputError", "CPTrainer", "CPTrainerMixin", "Generation", "KVSession", "UnsupportedFeatureError",
+           "generate", "is_patched", "patch", "shard_batch", "shift_labels", "unpatch"]
+
+
+def __getattr__(name: str):
+    # CPTrainer pulls in transformers.Trainer (and accelerate): only when asked for.
+    if name in ("CPTrainer", "CPTrainerMixin"):
+        from longdoc.hf import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module 'longdoc.hf' has no attribute {name!r}")

@@ -31,6 +31,7 @@ Task = Literal["qa", "pretrain"]
 Decay = Literal["cosine", "linear", "constant"]
 MIXED = ("auto", "no", "bf16")
 ROPE_TYPES = ("linear", "yarn")
+TRACKERS = ("auto", "wandb", "mlflow", "trackio")  # besides TensorBoard (log.tensorboard) and metrics.jsonl
 
 
 class RecipeError(ValueError):
@@ -177,9 +178,37 @@ class LogConfig:
     tensorboard: bool = True
     progress: bool = True  # rank-0 tqdm bar
     plot: bool = True  # loss-curve PNG at the end
+    # more Accelerate trackers: "auto" = every one of wandb, mlflow, trackio that is installed; offline by default
+    trackers: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         _check(self.every >= 1, "log.every", "must be >= 1")
+        bad = [t for t in self.trackers if t not in TRACKERS]
+        _check(not bad, "log.trackers", f"unknown tracker(s) {bad}; choose from {TRACKERS} (TensorBoard is "
+               f"log.tensorboard)")
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalConfig:
+    every: int = 0  # validation loss on held-out rows every N optimizer steps (0: no validation)
+    path: str = ""  # held-out rows, in any format data.path takes; empty: see holdout
+    holdout: int = 0  # with no eval.path: hold out the LAST N training rows (never trained on)
+    max_sequences: int | None = None  # validate on the first N held-out rows only
+    at_end: bool = True  # also after the last step
+    patience: int = 0  # early stopping: stop after N validations without improvement (0: never stop early)
+    min_delta: float = 0.0  # an improvement is a validation loss below best - min_delta
+
+    def __post_init__(self):
+        _check(self.every >= 0, "eval.every", "must be >= 0 (0 turns validation off)")
+        _check(self.holdout >= 0, "eval.holdout", "must be >= 0")
+        _check(not (self.path and self.holdout), "eval.holdout",
+               "cannot be combined with eval.path: held-out rows come from one or the other")
+        _check(self.every == 0 or bool(self.path) or self.holdout > 0, "eval.every",
+               "needs held-out rows: set eval.path (a file or folder like data.path) or eval.holdout=N")
+        _check(self.max_sequences is None or self.max_sequences > 0, "eval.max_sequences", "must be positive")
+        _check(self.patience >= 0, "eval.patience", "must be >= 0 (0: never stop early)")
+        _check(self.patience == 0 or self.every > 0, "eval.patience", "early stopping needs eval.every > 0")
+        _check(self.min_delta >= 0, "eval.min_delta", "must be >= 0")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -196,6 +225,7 @@ class Recipe:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self):
         _check(bool(self.output_dir), "output_dir", "must name a folder for checkpoints, logs and the model")

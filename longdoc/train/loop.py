@@ -33,6 +33,7 @@ from longdoc.train.data import StepSchedule, collate, load_sequences, loss_token
 from longdoc.train.loss import ChunkStats, LossModel, check_head
 from longdoc.train.metrics import JSONLTracker, PeakMemory, Progress, plot_loss
 from longdoc.train.modeling import build, export, trainable_parameters
+from longdoc.train.validation import EarlyStopping, due, extra_trackers, split_held_out, validation_loss
 from longdoc.train.world import World, start
 
 
@@ -48,6 +49,7 @@ class StepInfo:
     peak_gb_max: float  # the largest over all ranks
     skipped: bool
     world: World | None = field(default=None, repr=False)
+    val_loss: float | None = None  # held-out token-mean loss, on steps that validated
 
 
 @dataclass
@@ -60,6 +62,11 @@ class TrainResult:
     is_main: bool = True
     world_size: int = 1
     cp_size: int = 1
+    stopped_early: bool = False  # eval.patience validations without improvement ended the run
+
+    @property
+    def val_losses(self) -> list[tuple[int, float]]:
+        return [(s.step, s.val_loss) for s in self.history if s.val_loss is not None]
 
     @property
     def losses(self) -> list[float]:
@@ -161,6 +168,8 @@ def train(recipe: Recipe, *, on_step: Callable[[StepInfo], None] | None = None) 
     trackers: list = [JSONLTracker(out / "metrics.jsonl", resume_step)]
     if recipe.log.tensorboard:
         trackers.append("tensorboard")
+    more_trackers, tracker_kwargs = extra_trackers(recipe.log, out)
+    trackers += more_trackers
     world = start(recipe, log_with=trackers)
     acc = world.accelerator
 
@@ -183,6 +192,8 @@ def train(recipe: Recipe, *, on_step: Callable[[StepInfo], None] | None = None) 
     vocab = model.get_input_embeddings().num_embeddings
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     seqs = load_sequences(recipe.data, tokenizer, vocab, recipe.seed, main_first=acc.main_process_first)
+    seqs, held_out = split_held_out(recipe, seqs, tokenizer, vocab, main_first=acc.main_process_first)
+    stopper = EarlyStopping(recipe.eval.patience, recipe.eval.min_delta)
     schedule = StepSchedule(len(seqs), recipe.train.batch_size, recipe.train.micro_batch_size, world.dp_size,
                             recipe.seed, recipe.data.shuffle)
     logit_rows = ChunkStats()  # the largest logits block per step goes to the metrics: never the full sequence
@@ -201,6 +212,7 @@ def train(recipe: Recipe, *, on_step: Callable[[StepInfo], None] | None = None) 
         checkpoint.load(resume_dir, loss_model, raw_optimizer, frozen_too=full_state)
         scheduler.load_state_dict(state["scheduler"])
         start_step, skipped_total = int(state["step"]), int(state.get("skipped", 0))
+        stopper.load_state_dict(state.get("early_stopping"))
     elif recipe.resume:
         say(f"resume=true but {ck_root} holds no complete checkpoint: starting from step 0")
     if resume_dir is None:
@@ -209,7 +221,7 @@ def train(recipe: Recipe, *, on_step: Callable[[StepInfo], None] | None = None) 
     if world.is_main:
         (out / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
     flat = {k: (v if isinstance(v, (int, float, str, bool)) or v is None else str(v)) for k, v in recipe.flat().items()}
-    acc.init_trackers("tensorboard", config=flat)
+    acc.init_trackers("tensorboard", config=flat, init_kwargs=tracker_kwargs)
     n_train, n_total = trainable_parameters(model)
     say(f"longdoc train: world {world.world_size} = dp {world.dp_size} x cp {world.cp_size} on {world.device.type}, "
         f"{schedule.accum} micro-batch(es) of {recipe.train.micro_batch_size} x {recipe.data.seq_len} tokens per "
@@ -220,6 +232,7 @@ def train(recipe: Recipe, *, on_step: Callable[[StepInfo], None] | None = None) 
     history: list[StepInfo] = []
     params = [p for p in loss_model.parameters() if p.requires_grad]
     last_ckpt, skipped_in_row = checkpoint.latest(ck_root), 0
+    stopped_early = False
     for step in range(start_step, recipe.train.steps):
         peak.reset()
         logit_rows.max_rows = 0
@@ -258,26 +271,39 @@ def train(recipe: Recipe, *, on_step: Callable[[StepInfo], None] | None = None) 
                      "epoch": schedule.epoch(step + 1), "skipped": skipped_total,
                      "logit_rows_max": logit_rows.max_rows, "local_tokens": local_tokens},
                     step=step + 1)
+        if held_out is not None and due(recipe.eval, step + 1, step + 1 == recipe.train.steps):
+            info.val_loss = validation_loss(loss_model, world, held_out, recipe.train.micro_batch_size, pad_id)
+            stopped_early = stopper.update(info.val_loss, step + 1)
+            acc.log({"val_loss": info.val_loss, "val_best": stopper.best}, step=step + 1)
+            say(f"step {step + 1}: validation loss {info.val_loss:.4f} on {len(held_out)} held-out rows "
+                f"(best {stopper.best:.4f} at step {stopper.best_step})")
+            if stopped_early:
+                say(f"early stopping at step {step + 1}: no validation loss below {stopper.best:.4f} - "
+                    f"{recipe.eval.min_delta} for {stopper.bad} validations (eval.patience={recipe.eval.patience})")
         if on_step is not None:
             on_step(info)
         every = recipe.checkpoint.every
-        is_last = step + 1 == recipe.train.steps
+        is_last = step + 1 == recipe.train.steps or stopped_early
         if (every and (step + 1) % every == 0) or (is_last and recipe.checkpoint.at_end):
             last_ckpt = checkpoint.save(
                 ck_root, step + 1, loss_model, raw_optimizer,
                 {"step": step + 1, "scheduler": scheduler.state_dict(), "skipped": skipped_total,
                  "world_size": world.world_size, "dp_size": world.dp_size, "cp_size": world.cp_size,
-                 "data": seqs.fingerprint(), "loss": loss, "recipe": recipe.to_dict()},
+                 "data": seqs.fingerprint(), "loss": loss, "recipe": recipe.to_dict(),
+                 "early_stopping": stopper.state_dict()},
                 keep=recipe.checkpoint.keep, frozen_too=full_state)
+        if stopped_early:
+            break
     progress.close()
     final_dir = None
-    if recipe.checkpoint.export and recipe.train.steps > start_step:
+    steps_done = history[-1].step if history else start_step
+    if recipe.checkpoint.export and steps_done > start_step:
         final_dir = _export(acc, world, loss_model, tokenizer, out / "final", recipe)
     acc.end_training()
     if world.is_main and recipe.log.plot and (out / "metrics.jsonl").is_file():
         plot_loss(out / "metrics.jsonl", out / "loss.png", f"{recipe.model.name}: {Path(out).name}")
-    return TrainResult(out, recipe.train.steps, history, final_dir, last_ckpt, world.is_main, world.world_size,
-                       world.cp_size)
+    return TrainResult(out, steps_done, history, final_dir, last_ckpt, world.is_main, world.world_size,
+                       world.cp_size, stopped_early)
 
 
 def _forward_backward(acc, world: World, loss_model, params, seqs, schedule: StepSchedule, step: int, pad_id: int,

@@ -1,0 +1,277 @@
+"""`CPTrainer`: transformers.Trainer with exact context parallelism; `CPTrainerMixin` for TRL and other subclasses.
+
+    # my_script.py: trainer = longdoc.hf.CPTrainer(model=..., args=TrainingArguments(...), train_dataset=...,
+    #                                               cp_size=2); trainer.train()
+    torchrun --nproc_per_node 2 my_script.py
+    accelerate launch --config_file recipes/accelerate/cpu-2proc.yaml my_script.py
+
+What the Trainer does differently under CP, and why each piece keeps the run equal to one process:
+  - World = dp x cp. The ranks r = dp_index * cp + cp_index form a DeviceMesh ("dp", "cp"); the model
+    is patched over the "cp" group (longdoc.patch).
+  - Data: Accelerate's per-process sharding of the dataloaders is narrowed to the dp replicas, so every
+    rank of a CP group reads the same batches (with dp=1: exactly the batches of one process, same order).
+  - Loss: each full batch goes through cp.shard_batch; a rank's loss is its SHARE, sum(its token losses) /
+    N. With `average_tokens_across_devices` (the default) N counts the loss tokens of the whole optimizer
+    step (every micro-batch and replica) and the share is multiplied by the world size, because DDP/FSDP
+    average gradients over all dp x cp ranks. Without it N is the replica's own count and the factor is cp,
+    which reproduces plain DDP's mean of per-replica means. Either way the logged loss and grad_norm are
+    those of one process on the same global batch.
+  - Evaluation: each batch's loss is the full-batch mean (shares summed over the CP group); metrics are
+    gathered once per CP group, so eval_loss equals one process.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import Trainer
+
+from longdoc.hf.patch import patch
+from longdoc.parallel.api import ContextParallel, check_strategy
+from longdoc.parallel.batch import shard_batch, shift_labels
+from longdoc.parallel.layout import check_layout
+
+__all__ = ["CPTrainer", "CPTrainerMixin", "cp_mesh"]
+
+_BATCH_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
+# Keys collators add that carry no information shard_batch needs (they are recomputed or unused).
+_DROPPED_KEYS = ("use_cache", "num_items_in_batch")
+_PACKED = ("packed documents would attend to each other: CP attention here is causal over the whole row, "
+           "without per-document masking yet")
+
+
+def _launched_world_size() -> int:
+    from longdoc.launch import launched_world
+
+    return launched_world().world_size
+
+
+def check_cp_size(cp_size: int, world_size: int) -> int:
+    """The number of data-parallel replicas, or a ValueError naming the fix. Pure: the same on every rank."""
+    if not isinstance(cp_size, int) or isinstance(cp_size, bool) or cp_size < 1:
+        raise ValueError(f"CPTrainer: cp_size must be a positive integer, got {cp_size!r}")
+    if world_size < cp_size:
+        raise ValueError(
+            f"CPTrainer: cp_size={cp_size} needs at least {cp_size} processes, but this run has {world_size}. "
+            f"Launch with `torchrun --nproc_per_node {cp_size} SCRIPT` or `accelerate launch --config_file "
+            f"recipes/accelerate/cpu-2proc.yaml SCRIPT` (on CPU, not `--cpu`: that starts one process), "
+            f"or set cp_size=1")
+    if world_size % cp_size:
+        raise ValueError(f"CPTrainer: cp_size={cp_size} must divide the number of processes ({world_size}); "
+                         f"use one of {[d for d in range(1, world_size + 1) if world_size % d == 0]}")
+    return world_size // cp_size
+
+
+def _check_joined(training_args) -> None:
+    """Refuse a launch whose ranks TrainingArguments left unjoined (a CPU trap that looks like success)."""
+    launched = _launched_world_size()
+    if training_args.world_size != launched:
+        raise ValueError(
+            f"CPTrainer: the launcher started {launched} processes but TrainingArguments joined "
+            f"{training_args.world_size}; on a machine without CUDA pass TrainingArguments(use_cpu=True, ...) so "
+            f"the ranks form one gloo group (otherwise each would train alone, without context parallelism)")
+
+
+def cp_mesh(cp_size: int, device_type: str, timeout: datetime.timedelta | None = None):
+    """(mesh, cp_group, dp_group) for the initialized world: a DeviceMesh with axes ("dp", "cp"), CP groups
+    made of consecutive ranks. (None, None, None) on one process."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None, None, None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device_type, (world // cp_size, cp_size), mesh_dim_names=("dp", "cp"))
+    cp_group, dp_group = mesh["cp"].get_group(), mesh["dp"].get_group()
+    kwargs = {"timeout": timeout} if timeout is not None else {}
+    if cp_group is dist.group.WORLD:
+        # DDP reduces gradients on the world group; the ring gets its own group so that its point-to-point
+        # traffic never queues behind (or interleaves with) gradient reductions.
+        cp_group = dist.new_group(list(range(world)), **kwargs)
+    return mesh, cp_group, dp_group
+
+
+class CPTrainerMixin:
+    """Context parallelism for a transformers.Trainer subclass: `class T(CPTrainerMixin, SomeTrainer)`.
+
+    Extra constructor arguments (everything else goes to the Trainer unchanged):
+        cp_size: ranks per context-parallel group; it must divide the launched world size.
+        cp_layout: "zigzag" (balanced causal work, default) or "contiguous".
+        cp_strategy: "ring" (default) or "allgather".
+        cp_timeout: seconds any CP communication may wait (default: the process group's timeout).
+    """
+
+    def __init__(self, *args: Any, cp_size: int = 1, cp_layout: str = "zigzag", cp_strategy: str = "ring",
+                 cp_timeout: float | None = None, **kwargs: Any):
+        # Every check that can fail runs before the Trainer joins the process group: one error on every rank.
+        self.cp_dp_size = check_cp_size(cp_size, _launched_world_size())
+        check_layout(cp_layout)
+        check_strategy(cp_strategy)
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        self._refuse_unsupported(training_args, kwargs)
+        if training_args is not None:
+            _check_joined(training_args)
+        super().__init__(*args, **kwargs)
+        _check_joined(self.args)
+        self.loss_is_scaled_for_ga = True  # compute_loss divides by the whole step's token count itself
+        timeout = datetime.timedelta(seconds=cp_timeout) if cp_timeout is not None else None
+        self.cp_mesh, cp_group, self._dp_group = cp_mesh(cp_size, self.args.device.type, timeout)
+        self.cp = ContextParallel(cp_group, layout=cp_layout, timeout=timeout)
+        self.cp_dp_rank = self.cp_mesh.get_local_rank("dp") if self.cp_mesh is not None else 0
+        patch(self.model, self.cp, strategy=cp_strategy)
+        pad = getattr(self.processing_class, "pad_token_id", None)
+        self._cp_pad_id = int(pad) if isinstance(pad, int) and pad >= 0 else 0
+
+    @staticmethod
+    def _refuse_unsupported(training_args, kwargs: dict) -> None:
+        if training_args is None:
+            return
+        what = [name for name in ("packing", "padding_free") if getattr(training_args, name, False)]
+        if what:
+            raise ValueError(f"CPTrainer: {' and '.join(f'{w}=True' for w in what)} is not supported yet: {_PACKED}. "
+                             f"Set packing=False and padding_free=False (each row then holds one document)")
+        if getattr(training_args, "label_smoothing_factor", 0.0):
+            raise ValueError("CPTrainer: label_smoothing_factor is not supported under CP (the smoother needs the "
+                             "full logits of every token on one rank); set label_smoothing_factor=0")
+        if kwargs.get("compute_loss_func") is not None:
+            raise ValueError("CPTrainer: compute_loss_func is not supported under CP (it would see only this rank's "
+                             "logits); the loss is the model's causal-LM loss, summed over the CP group")
+
+    # ---- data: one stream per data-parallel replica ----
+
+    def _per_replica(self, loader):
+        """Narrow Accelerate's per-process sharding to per-replica: all CP ranks of a group read the same."""
+        if self.cp_mesh is None:
+            return loader
+        from accelerate.data_loader import BatchSamplerShard
+
+        sampler = getattr(loader, "batch_sampler", None)
+        if not isinstance(sampler, BatchSamplerShard):
+            raise ValueError(
+                f"CPTrainer needs a map-style dataset (with __len__) read through Accelerate's sharded batch sampler, "
+                f"got a {type(loader).__name__}; an IterableDataset or dispatch_batches=True splits each batch over "
+                f"all ranks, so the CP ranks of a group would read different data. Use a datasets.Dataset or a list")
+        sampler.num_processes = self.cp_dp_size  # read lazily by __iter__ and __len__
+        sampler.process_index = self.cp_dp_rank
+        if self.cp_dp_size == 1:
+            # One replica: the batches of one process, so no last batch completed with wrapped-around samples
+            sampler.even_batches = False
+        return loader
+
+    def get_train_dataloader(self):
+        return self._per_replica(super().get_train_dataloader())
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        return self._per_replica(super().get_eval_dataloader(eval_dataset))
+
+    def get_test_dataloader(self, test_dataset):
+        return self._per_replica(super().get_test_dataloader(test_dataset))
+
+    def get_total_train_batch_size(self, args) -> int:
+        return self._train_batch_size * args.gradient_accumulation_steps * self.cp_dp_size
+
+    # ---- loss ----
+
+    def _full_batch(self, inputs: dict) -> dict:
+        """The batch keys shard_batch takes, after refusing what CP cannot run exactly (before any communication)."""
+        extra = sorted(k for k, v in inputs.items() if k not in _BATCH_KEYS + _DROPPED_KEYS and v is not None)
+        if extra:
+            raise ValueError(f"CPTrainer: the batch holds {extra}, which context parallelism cannot shard; the "
+                             f"collator may return {', '.join(_BATCH_KEYS)} (set remove_unused_columns=True or drop "
+                             f"them in the collator)")
+        batch = {k: inputs[k] for k in _BATCH_KEYS if inputs.get(k) is not None}
+        pos = batch.get("position_ids")
+        if pos is not None:
+            plain = torch.arange(pos.shape[-1], device=pos.device)
+            if not bool((pos == plain).all()):
+                raise ValueError(f"CPTrainer: position_ids restart inside a row (packed / padding-free batches, "
+                                 f"e.g. TRL packing=True or padding_free=True): {_PACKED}. Use one document per row")
+            del batch["position_ids"]  # shard_batch computes the global positions
+        if "labels" not in batch:
+            raise ValueError("CPTrainer: the batch has no labels; under CP the loss needs them (a causal-LM collator, "
+                             "e.g. DataCollatorForLanguageModeling(tokenizer, mlm=False), adds them)")
+        return batch
+
+    def _count_loss_tokens(self, batch: dict) -> torch.Tensor:
+        # The same targets cp.shard_batch takes: shifted over the full row, padding never counts.
+        targets = shift_labels(batch["labels"].long(), batch.get("attention_mask"))
+        return (targets != -100).sum()
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
+        """Loss tokens of the optimizer step on this replica, summed over the replicas when averaging tokens.
+
+        Trainer's own count gathers over every rank, which counts each CP group's batch cp times."""
+        if not batch_samples or "labels" not in batch_samples[0]:
+            return None
+        n = sum(self._count_loss_tokens(self._full_batch(b)) for b in batch_samples).to(device)
+        # (evaluation ignores the count: each batch's loss is its own mean, as on one process)
+        if (self.args.average_tokens_across_devices and self._dp_group is not None and self.cp_dp_size > 1
+                and self.model.training):
+            n = n.clone()
+            dist.all_reduce(n, group=self._dp_group)
+        return n
+
+    def _loss_scale(self) -> int:
+        """DDP/FSDP average gradients over dp x cp ranks; this factor turns that into the right sum."""
+        if self.args.average_tokens_across_devices:
+            return self.cp_dp_size * self.cp.size  # shares of the whole global step: their sum is the mean
+        return self.cp.size  # shares of the replica's batch: DDP's average over replicas remains
+
+    def compute_loss(self, model, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
+        """This rank's loss share under CP (training), or the full batch loss (evaluation)."""
+        batch = self._full_batch(inputs)
+        training = model.training
+        seq_len = batch["input_ids"].shape[1]
+        count = None
+        if training:
+            count = num_items_in_batch
+            if count is None:  # called outside Trainer's step: this micro-batch is the whole step
+                count = self._get_num_items_in_batch([batch], batch["input_ids"].device)
+            count = torch.as_tensor(count).clamp_min(1)  # a step with no loss token: loss 0, never NaN
+        local = shard_batch(batch, self.cp, pad_token_id=self._cp_pad_id, num_items_in_batch=count)
+        outputs = model(**local, use_cache=False)
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
+        if training:
+            loss = loss * self._loss_scale()
+        elif self.cp.size > 1:
+            loss = loss.detach().clone()
+            dist.all_reduce(loss, group=self.cp.group)  # the shares of one batch sum to its mean loss
+        if not return_outputs:
+            return loss
+        logits = outputs.get("logits") if isinstance(outputs, dict) else None
+        if logits is not None and self.cp.size > 1:
+            # compute_metrics expects the logits of the full batch, in token order, without CP padding
+            outputs["logits"] = self.cp.gather(logits.detach(), dim=1)[:, :seq_len]
+        return loss, outputs
+
+    # ---- evaluation: metrics once per CP group ----
+
+    def _gather_per_group(self, data, use_gather_object: bool = False):
+        """gather_for_metrics over the dp replicas only: every CP rank of a group holds the same values."""
+        acc = self.accelerator
+        if self.cp.size == 1:
+            return acc.gather_for_metrics(data, use_gather_object=use_gather_object)
+        if use_gather_object:
+            raise ValueError("CPTrainer: eval_use_gather_object=True is not supported under CP; gather tensors")
+        from accelerate.utils import recursively_apply
+
+        def first_of_group(t: torch.Tensor) -> torch.Tensor:
+            t = acc.gather(t)  # (world * n, ...), ranks in order: rank = dp_index * cp + cp_index
+            return t.reshape(self.cp_dp_size, self.cp.size, -1, *t.shape[1:])[:, 0].reshape(-1, *t.shape[1:])
+
+        out = recursively_apply(first_of_group, data)
+        state = acc.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:  # the last batch's padding to equal batches
+            out = recursively_apply(lambda t: t[: state.remainder], out)
+        return out
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any):
+        self.gather_function = self._gather_per_group  # Trainer resets it to gather_for_metrics at the end
+        return super().evaluation_loop(*args, **kwargs)
+
+
+class CPTrainer(CPTrainerMixin, Trainer):
+    """A drop-in transformers.Trainer with exact context parallelism: the same constructor plus `cp_size`
+    (and optionally cp_layout, cp_strategy, cp_timeout); see CPTrainerMixin and the module docstring."""
