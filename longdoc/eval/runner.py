@@ -81,10 +81,12 @@ def check_context(model: Any, tokens: int, what: str) -> None:
 
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
-    scaling = "no RoPE scaling" if rope in (None, "default") else f"{rope} RoPE scaling"
-    check(tokens, context_limit(model), what=f"{what} for this model ({scaling})",
-          extend="--rope-type yarn --rope-factor {factor} (RoPE extended as training's model.rope_type / "
-                 "model.rope_factor do), or use a model fine-tuned with RoPE scaling",
+    if rope in (None, "default"):
+        extend = ("--rope-type yarn --rope-factor {factor} (the model has no RoPE scaling; this extends it as "
+                  "training's model.rope_type / model.rope_factor do), or use a model fine-tuned with RoPE scaling")
+    else:  # scaling does not stack (training refuses it too)
+        extend = f"a model fine-tuned for a longer context (this one already has {rope} RoPE scaling)"
+    check(tokens, context_limit(model), what=what, extend=extend,
           shorten="use shorter documents")
 
 
