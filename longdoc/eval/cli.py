@@ -17,22 +17,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from longdoc import cliargs
+
 
 def _floats(text: str) -> list[float]:
     try:
         return [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-
-
-def _ints(text: str) -> list[int]:
-    """'1024,2k,4k' -> [1024, 2048, 4096] (k = 1024 tokens)."""
-    try:
-        return [int(float(x[:-1]) * 1024) if x.lower().endswith("k") else int(x)
-                for x in (t.strip() for t in text.split(",")) if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated token counts (e.g. 1024,2k,4k), got {text!r}"
-                                         ) from None
 
 
 def _common(p: argparse.ArgumentParser, model: bool = True) -> None:
@@ -59,7 +51,7 @@ def _qa_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--data", nargs="+", required=required,
                    help="QA documents: `longdoc data synth` jsonl, or any file `longdoc data prepare --task qa` reads "
                         "({document, qa: [...]} or flat {document, question, answer} records)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="answer length cap (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=cliargs.length, default=64, help="answer length cap (default: %(default)s)")
     p.add_argument("--limit-docs", type=int, default=None, help="first N documents per file")
     p.add_argument("--limit-questions", type=int, default=None, help="first N questions per document")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
@@ -68,7 +60,7 @@ def _qa_args(p: argparse.ArgumentParser, required: bool) -> None:
 
 def _needle_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--domain", default="legal", choices=("legal", "medical"), help="filler text domain")
-    p.add_argument("--lengths", type=_ints, default=[1024, 2048, 4096], help="context lengths, e.g. 1k,2k,4k")
+    p.add_argument("--lengths", type=cliargs.lengths, default=[1024, 2048, 4096], help="context lengths, e.g. 1k,2k,4k")
     p.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths in [0, 1]")
     p.add_argument("--repeats", type=int, default=1, help="needles per cell (different values and haystacks)")
     p.add_argument("--haystack", nargs="+", default=None, metavar="FILE|FOLDER",
@@ -78,7 +70,7 @@ def _needle_args(p: argparse.ArgumentParser) -> None:
 
 
 def _position_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--length", type=_ints, default=None,
+    p.add_argument("--length", type=cliargs.length, default=None,
                    help="tokens per document (longer ones are cut; default: the shortest document)")
     p.add_argument("--buckets", type=int, default=16, help="position buckets (default: %(default)s)")
     p.add_argument("--num-docs", type=int, default=4, help="documents to generate when --pl-data is not given")
@@ -101,7 +93,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     _common(p)
     _needle_args(p)
     # Small models answer in a sentence that repeats the question: room for it and the whole value.
-    p.add_argument("--max-new-tokens", type=int, default=32, help="answer length cap (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=cliargs.length, default=32, help="answer length cap (default: %(default)s)")
     p.set_defaults(func=_run_task, task="needle")
 
     p = sub.add_parser("position-loss", help="mean token loss by position over long documents, curve PNG")
@@ -110,7 +102,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="documents: jsonl/json/parquet/csv with text/document/content, or a folder of .txt/.md")
     p.add_argument("--domain", default="legal", choices=("legal", "medical"))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--length", type=_ints, default=None,
+    p.add_argument("--length", type=cliargs.length, default=None,
                    help="tokens per document (longer ones are cut; default: the shortest document; "
                         "needed to generate documents when --data is not given)")
     p.add_argument("--buckets", type=int, default=16)
