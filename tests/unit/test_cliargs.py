@@ -57,7 +57,8 @@ def test_bad_input_exits_2_with_the_message_and_no_traceback(tmp_path):
     bad.write_text("{not json\n")
     flat = tmp_path / "qa.jsonl"
     flat.write_text(json.dumps({"document": "short text", "question": "q?", "answer": "absent"}) + "\n")
-    cases = [(["eval", "position-loss", "--model", "tiny:llama", "--data", str(tmp_path / "missing")], "does not exist"),
+    missing = str(tmp_path / "missing")
+    cases = [(["eval", "position-loss", "--model", "tiny:llama", "--data", missing], "does not exist"),
              (["eval", "position-loss", "--model", "tiny:llama", "--data", str(bad)], "bad.jsonl:1: not valid JSON"),
              (["eval", "qa", "--model", "tiny:llama", "--data", str(flat)], "answer 'absent' not found"),
              (["eval", "qa", "--model", "tiny:llama", "--data", str(flat), "--rope-factor", "2"], "needs --rope-type")]
