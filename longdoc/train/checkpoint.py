@@ -173,8 +173,8 @@ def save(root: Path, step: int, model, optimizer, trainer_state: dict, keep: int
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / f"rng-rank{rank:05d}.safetensors"))
     (tmp / f"rng-rank{rank:05d}.json").write_text(json.dumps(meta))
     _barrier()
-    extra = {} if frozen_too else {"frozen": frozen_digest(model)}
     if rank == 0:
+        extra = {} if frozen_too else {"frozen": frozen_digest(model)}  # every rank holds the same base
         body = json.dumps({"format": FORMAT_VERSION, **trainer_state, **extra}, indent=1, default=_json_default)
         with open(tmp / STATE_FILE, "w") as f:
             f.write(body)
