@@ -117,3 +117,11 @@ def test_needle_uses_the_users_haystack(tmp_path):
     with pytest.raises(EvalInputError, match="--haystack documents hold .* lower --lengths"):
         main(["eval", "needle", "--model", "tiny:llama", "--haystack", str(docs), "--lengths", "100000",
               "--depths", "0.5", *COMMON, "--out", str(out)])
+
+
+def test_spawned_ranks_hand_back_the_message_not_a_traceback(short_model, qa_file, tmp_path):
+    """--cp 2 spawns ranks; each refuses alike before any collective, the parent raises the same message."""
+    with pytest.raises(EvalInputError, match=r"^document 'd0'.*exceeds the model's context \(256 tokens\)") as e:
+        main(["eval", "qa", "--model", short_model, "--data", str(qa_file), *COMMON, "--cp", "2",
+              "--out", str(tmp_path / "o")])
+    assert "Traceback" not in str(e.value)
