@@ -2,9 +2,15 @@
 
     longdoc eval qa --model SmolLM2-135M-Instruct --data legal.jsonl medical.jsonl --cp 2
     longdoc eval needle --model runs/demo/final --domain legal --lengths 1024,2048,4096 --cp 2
+    longdoc eval needle --model M --haystack my_contracts/ --lengths 4k,8k --cp 2      # your own documents
     longdoc eval position-loss --model runs/demo/final --data legal.jsonl --length 4096 --cp 2
+    longdoc eval qa --model SmolLM2-135M-Instruct --data long.jsonl --rope-type yarn --rope-factor 2  # past 8k
     longdoc eval compare runs/eval/qa-base runs/eval/qa-tuned           # two run folders, or two models:
     longdoc eval compare SmolLM2-135M-Instruct runs/demo/final --names base tuned --data qa.jsonl --cp 2
+
+--data / --haystack read every format `longdoc data prepare` reads (jsonl/json/parquet/csv, folders of
+.txt/.md, hub ids). A prompt longer than the model's context is refused before any compute; lengths take
+k/M suffixes (4k = 4096).
 
 --cp N on one machine spawns N local gloo ranks. Under a launcher (`accelerate launch --multi_gpu
 --num_processes N -m longdoc eval ...` or torchrun) every process is one rank and --cp must equal N.
