@@ -32,7 +32,8 @@ def draw(world: int, case: int) -> tuple[dict, list[list[int]]]:
             mask[row, r(2, length):] = 0
         drop = torch.rand(length, generator=g) < torch.rand((), generator=g) * 0.6
         labels[row, drop] = -100
-        labels[row, r(1, length - 1)] = ids[row, r(1, length - 1)]  # at least one loss token per row
+        keep = r(1, int(mask[row].sum()) - 1)  # at least one loss token per row, inside its real tokens
+        labels[row, keep] = ids[row, keep]
     batch = {"input_ids": ids, "labels": labels}
     if r(0, 1) or not bool(mask.all()):
         batch["attention_mask"] = mask
