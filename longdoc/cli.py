@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from longdoc.cliargs import Parser
+
 # verb module -> it registers one or more sub-commands on the parser.
 VERB_MODULES: list[str] = [
     "longdoc.envinfo",
@@ -23,7 +25,7 @@ VERB_MODULES: list[str] = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="longdoc",
         description="Exact context-parallel fine-tuning of Hugging Face causal LMs on long documents.",
     )
@@ -33,7 +35,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def _input_errors() -> tuple[type[BaseException], ...]:
+    # Bad input (a recipe key, a file, a record, a length): every one of these carries a message that
+    # names the problem and the fix, so the user sees that message and never a traceback.
+    from longdoc.train.checkpoint import CheckpointError
+
+    return (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, CheckpointError)
+
+
+def main(argv: list[str] | None = None, *, catch: bool | None = None) -> int:
+    """Run `longdoc ARGS`. On the command line (argv None) bad input exits 2 with its message; called with an
+    explicit argv (scripts, tests) the exception propagates unless `catch=True`."""
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    return int(args.func(args) or 0)
+    if not (argv is None if catch is None else catch):
+        return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except _input_errors() as e:
+        verb = " ".join(x for x in (args.verb, *(getattr(args, k, None) for k in ("eval_cmd", "data_verb"))) if x)
+        print(f"longdoc {verb}: error: {e}", file=sys.stderr)
+        return 2

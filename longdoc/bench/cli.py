@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 
+from longdoc import cliargs
 from longdoc.bench.sections import SECTIONS
 
 
@@ -25,7 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("sections", nargs="*", default=[], metavar="SECTION",
                    help=f"which sections (default: all): {', '.join(SECTIONS)}")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run of every code path")
-    p.add_argument("--seq-len", type=int, default=None,
+    p.add_argument("--seq-len", type=cliargs.length, default=None,
                    help="attention at this one length only (prints E and Z); default: the sweep --lengths")
     p.add_argument("--lengths", default=None, help="attention sweep lengths, comma-separated (default 4096,8192,16384)")
     p.add_argument("--heads", type=int, default=8)

@@ -13,6 +13,8 @@ import argparse
 import sys
 import time
 
+from longdoc import cliargs
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("data", help="generate synthetic documents or tokenize a corpus",
@@ -24,7 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                      "(one JSON record per line).")
     s.add_argument("--domain", required=True, choices=["legal", "medical"])
     s.add_argument("--num-docs", type=int, default=4)
-    s.add_argument("--tokens", type=int, default=32768, help="document length in the tokenizer's tokens "
+    s.add_argument("--tokens", type=cliargs.length, default=32768, help="document length in the tokenizer's tokens "
                    "(4096-131072 intended; 1024-1048576 accepted; within 1%% from 4096)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--tokenizer", default=None, help="model name or path (default: SmolLM2-135M-Instruct)")
@@ -40,7 +42,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--task", choices=["pretrain", "qa"], default="pretrain",
                    help="pretrain: whole documents; qa: document + question -> answer (default pretrain)")
     q.add_argument("--tokenizer", default=None, help="model name or path (default: SmolLM2-135M-Instruct)")
-    q.add_argument("--target-tokens", type=int, default=32768, help="row length (default 32768, up to 1048576)")
+    q.add_argument("--target-tokens", type=cliargs.length, default=32768,
+                   help="row length (default 32768, up to 1048576; 32k and 1M work too)")
     q.add_argument("--overlap", type=int, default=None, help="overlap of windows over long documents "
                    "(default: target/8)")
     q.add_argument("--pack", action="store_true", help="pack short documents into one row (pretrain; off by "

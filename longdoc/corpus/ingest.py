@@ -78,9 +78,11 @@ class Fields:
 
 
 def read_documents(inputs: list[str | Path | dict], task: str = "pretrain", fields: Fields = Fields(),
-                   skips: Skips | None = None, split: str = "train") -> Iterator[dict[str, Any]]:
+                   skips: Skips | None = None, split: str = "train", keep: tuple[str, ...] = ()
+                   ) -> Iterator[dict[str, Any]]:
     """Validated, normalized records from every input, in order. An input is a path, a hub dataset id,
-    or a record (dict) itself, e.g. one made by `longdoc.corpus.synth.generate`."""
+    or a record (dict) itself, e.g. one made by `longdoc.corpus.synth.generate`. Fields named in `keep`
+    (e.g. domain, aliases, depth) are copied as they are onto the record and onto each QA pair that has them."""
     if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
     text_field = fields.text
@@ -92,10 +94,10 @@ def read_documents(inputs: list[str | Path | dict], task: str = "pretrain", fiel
                 raise _utf8_error(where)
             if task == "pretrain":
                 text_field = text_field or _pick_text_field(raw, where)
-                yield {"doc_id": _doc_id(raw, fields, where), "source": where,
+                yield {**_kept(raw, keep), "doc_id": _doc_id(raw, fields, where), "source": where,
                        "text": _text(raw, text_field, where, "--text-field")}
             else:
-                yield _qa_record(raw, fields, where, skips)
+                yield _qa_record(raw, fields, where, skips, keep)
         except CorpusError as err:
             if skips is None:
                 raise
@@ -113,9 +115,7 @@ def _raw_records(inputs: list[str | Path | dict], split: str) -> Iterator[tuple[
         if path.is_dir():
             files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
             if not files:
-                found = sorted({p.suffix or p.name for p in path.rglob("*") if p.is_file()})[:10]
-                raise CorpusError(str(path), f"folder has no {'/'.join(TEXT_SUFFIXES)} files (found: {found})",
-                                  "Pass data files (jsonl, json, parquet, csv) directly, not their folder")
+                raise _empty_folder(path)
             for f in files:
                 yield from _text_file(f, path)
         elif path.is_file():
@@ -133,13 +133,39 @@ def _raw_records(inputs: list[str | Path | dict], split: str) -> Iterator[tuple[
             else:
                 raise CorpusError(str(path), f"unknown file type {suffix!r}",
                                   f"Use one of {TEXT_SUFFIXES + DATA_SUFFIXES} or a folder of text files")
-        elif _looks_like_path(item):
+        elif looks_like_path(item):
             raise CorpusError(item, "no such file or folder", "Check the path (hub ids look like 'org/name')")
         else:
             yield from _hub(item, split)
 
 
-def _looks_like_path(item: str) -> bool:
+def _empty_folder(path: Path) -> CorpusError:
+    """What a folder without text files holds, and the fix that fits it."""
+    found = [p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")]
+    bare = sorted(str(p.relative_to(path)) for p in found if not p.suffix)
+    data = sorted(str(p.relative_to(path)) for p in found if p.suffix.lower() in DATA_SUFFIXES)
+    other = sorted({p.suffix.lower() for p in found if p.suffix and p.suffix.lower() not in DATA_SUFFIXES})
+    problem = f"folder has no {'/'.join(TEXT_SUFFIXES)} files"
+    if not found:
+        return CorpusError(str(path), f"{problem}: it is empty", "Put the documents there as .txt or .md files")
+    if bare:
+        shown = ", ".join(bare[:3]) + (", ..." if len(bare) > 3 else "")
+        return CorpusError(str(path), f"{problem}; it holds {len(bare)} file(s) without an extension ({shown})",
+                           f"If they are plain text, give them a .txt extension (for f in {path}/*; do mv \"$f\" "
+                           f"\"$f.txt\"; done); a folder is read as text files only")
+    if data:
+        shown = " ".join(str(path / d) for d in data[:3]) + (" ..." if len(data) > 3 else "")
+        return CorpusError(str(path), f"{problem}; it holds data files", f"Pass them directly: {shown}")
+    return CorpusError(str(path), f"{problem} (found extensions: {', '.join(other[:10])})",
+                       f"Convert them to .txt/.md text, or to one of {DATA_SUFFIXES}")
+
+
+def _kept(raw: dict, keep: tuple[str, ...]) -> dict[str, Any]:
+    return {k: raw[k] for k in keep if k in raw}
+
+
+def looks_like_path(item: str) -> bool:
+    """A local path (rather than a hub dataset id), whether it exists or not."""
     return (item.startswith(("/", ".", "~")) or item.count("/") > 1 or os.sep != "/" and os.sep in item
             or item.lower().endswith(TEXT_SUFFIXES + DATA_SUFFIXES))
 
@@ -282,7 +308,8 @@ def _text(raw: dict, name: str, where: str, flag: str) -> str:
     return value
 
 
-def _qa_record(raw: dict, fields: Fields, where: str, skips: Skips | None) -> dict[str, Any]:
+def _qa_record(raw: dict, fields: Fields, where: str, skips: Skips | None, keep: tuple[str, ...] = ()
+               ) -> dict[str, Any]:
     document = _text(raw, fields.document, where, "--document-field")
     doc_id = _doc_id(raw, fields, where)
     if fields.qa in raw and raw[fields.qa] is not None:
@@ -304,7 +331,8 @@ def _qa_record(raw: dict, fields: Fields, where: str, skips: Skips | None) -> di
                 raise CorpusError(at, "expected a question/answer object", reason="not an object")
             question = _text(item, fields.question, at, "--question-field")
             answer = _text(item, fields.answer, at, "--answer-field")
-            qas.append({"qa_id": str(item.get("id") or f"{doc_id}#{i}"), "question": question, "answer": answer,
+            qas.append({**_kept(item, keep), "qa_id": str(item.get("id") or f"{doc_id}#{i}"), "question": question,
+                        "answer": answer,
                         "kind": str(item.get("kind") or ""),
                         "spans": _spans(item.get(fields.evidence), document, answer, at)})
         except CorpusError as err:
@@ -313,7 +341,7 @@ def _qa_record(raw: dict, fields: Fields, where: str, skips: Skips | None) -> di
             skips.add(err)
     if not qas:
         raise CorpusError(where, "no usable question/answer pair", reason="no usable QA")
-    return {"doc_id": doc_id, "source": where, "document": document, "qas": qas}
+    return {**_kept(raw, keep), "doc_id": doc_id, "source": where, "document": document, "qas": qas}
 
 
 def _spans(evidence: Any, document: str, answer: str, where: str) -> list[list[int]]:

@@ -2,9 +2,15 @@
 
     longdoc eval qa --model SmolLM2-135M-Instruct --data legal.jsonl medical.jsonl --cp 2
     longdoc eval needle --model runs/demo/final --domain legal --lengths 1024,2048,4096 --cp 2
+    longdoc eval needle --model M --haystack my_contracts/ --lengths 4k,8k --cp 2      # your own documents
     longdoc eval position-loss --model runs/demo/final --data legal.jsonl --length 4096 --cp 2
+    longdoc eval qa --model SmolLM2-135M-Instruct --data long.jsonl --rope-type yarn --rope-factor 2  # past 8k
     longdoc eval compare runs/eval/qa-base runs/eval/qa-tuned           # two run folders, or two models:
     longdoc eval compare SmolLM2-135M-Instruct runs/demo/final --names base tuned --data qa.jsonl --cp 2
+
+--data / --haystack read every format `longdoc data prepare` reads (jsonl/json/parquet/csv, folders of
+.txt/.md, hub ids). A prompt longer than the model's context is refused before any compute; lengths take
+k/M suffixes (4k = 4096).
 
 --cp N on one machine spawns N local gloo ranks. Under a launcher (`accelerate launch --multi_gpu
 --num_processes N -m longdoc eval ...` or torchrun) every process is one rank and --cp must equal N.
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from longdoc import cliargs
 from longdoc.parallel.api import STRATEGIES
 from longdoc.parallel.layout import LAYOUTS
 
@@ -26,16 +33,6 @@ def _floats(text: str) -> list[float]:
         return [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-
-
-def _ints(text: str) -> list[int]:
-    """'1024,2k,4k' -> [1024, 2048, 4096] (k = 1024 tokens)."""
-    try:
-        return [int(float(x[:-1]) * 1024) if x.lower().endswith("k") else int(x)
-                for x in (t.strip() for t in text.split(",")) if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated token counts (e.g. 1024,2k,4k), got {text!r}"
-                                         ) from None
 
 
 def _common(p: argparse.ArgumentParser, model: bool = True) -> None:
@@ -51,11 +48,18 @@ def _common(p: argparse.ArgumentParser, model: bool = True) -> None:
     p.add_argument("--layout", default="zigzag", choices=LAYOUTS)
     p.add_argument("--threads", type=int, default=None, help="torch threads per spawned rank (default: cores / cp)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds any collective may wait (default: %(default)s)")
+    p.add_argument("--rope-type", default=None, choices=("linear", "yarn"),
+                   help="extend RoPE past the model's context, as training's model.rope_type does (default: as the "
+                        "model's config says)")
+    p.add_argument("--rope-factor", type=float, default=None,
+                   help="context multiplier with --rope-type, as training's model.rope_factor (e.g. 2)")
 
 
 def _qa_args(p: argparse.ArgumentParser, required: bool) -> None:
-    p.add_argument("--data", nargs="+", required=required, help="QA jsonl file(s) from `longdoc data synth`")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="answer length cap (default: %(default)s)")
+    p.add_argument("--data", nargs="+", required=required,
+                   help="QA documents: `longdoc data synth` jsonl, or any file `longdoc data prepare --task qa` reads "
+                        "({document, qa: [...]} or flat {document, question, answer} records)")
+    p.add_argument("--max-new-tokens", type=cliargs.length, default=64, help="answer length cap (default: %(default)s)")
     p.add_argument("--limit-docs", type=int, default=None, help="first N documents per file")
     p.add_argument("--limit-questions", type=int, default=None, help="first N questions per document")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
@@ -64,19 +68,23 @@ def _qa_args(p: argparse.ArgumentParser, required: bool) -> None:
 
 def _needle_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--domain", default="legal", choices=("legal", "medical"), help="filler text domain")
-    p.add_argument("--lengths", type=_ints, default=[1024, 2048, 4096], help="context lengths, e.g. 1k,2k,4k")
+    p.add_argument("--lengths", type=cliargs.lengths, default=[1024, 2048, 4096], help="context lengths, e.g. 1k,2k,4k")
     p.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths in [0, 1]")
     p.add_argument("--repeats", type=int, default=1, help="needles per cell (different values and haystacks)")
+    p.add_argument("--haystack", nargs="+", default=None, metavar="FILE|FOLDER",
+                   help="your own documents as the haystack (any format `longdoc data prepare` reads: text folders, "
+                        "jsonl/json/parquet/csv); default: generated --domain documents")
     p.add_argument("--seed", type=int, default=0)
 
 
 def _position_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--length", type=_ints, default=None,
+    p.add_argument("--length", type=cliargs.length, default=None,
                    help="tokens per document (longer ones are cut; default: the shortest document)")
     p.add_argument("--buckets", type=int, default=16, help="position buckets (default: %(default)s)")
     p.add_argument("--num-docs", type=int, default=4, help="documents to generate when --pl-data is not given")
     p.add_argument("--pl-data", nargs="+", default=None, dest="pl_data",
-                   help="jsonl with 'document' or 'text' (default: generated --domain documents)")
+                   help="documents: jsonl/json/parquet/csv with text/document/content, or a folder of .txt/.md "
+                        "(default: generated --domain documents)")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -93,15 +101,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     _common(p)
     _needle_args(p)
     # Small models answer in a sentence that repeats the question: room for it and the whole value.
-    p.add_argument("--max-new-tokens", type=int, default=32, help="answer length cap (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=cliargs.length, default=32, help="answer length cap (default: %(default)s)")
     p.set_defaults(func=_run_task, task="needle")
 
     p = sub.add_parser("position-loss", help="mean token loss by position over long documents, curve PNG")
     _common(p)
-    p.add_argument("--data", nargs="+", default=None, dest="pl_data", help="jsonl with 'document' or 'text'")
+    p.add_argument("--data", nargs="+", default=None, dest="pl_data",
+                   help="documents: jsonl/json/parquet/csv with text/document/content, or a folder of .txt/.md")
     p.add_argument("--domain", default="legal", choices=("legal", "medical"))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--length", type=_ints, default=None,
+    p.add_argument("--length", type=cliargs.length, default=None,
                    help="tokens per document (longer ones are cut; default: the shortest document; "
                         "needed to generate documents when --data is not given)")
     p.add_argument("--buckets", type=int, default=16)
@@ -128,6 +137,10 @@ def config(args: argparse.Namespace) -> dict[str, Any]:
 
     cfg = {k: v for k, v in vars(args).items() if k not in ("func", "verb", "eval_cmd")}
     check_dtype(cfg["dtype"])
+    if cfg.get("rope_factor") is not None and cfg.get("rope_type") is None:
+        raise ValueError("--rope-factor needs --rope-type (linear or yarn), e.g. --rope-type yarn --rope-factor 2")
+    if cfg.get("rope_type") is not None and (cfg.get("rope_factor") or 0) <= 1:
+        raise ValueError(f"--rope-type {cfg['rope_type']} needs --rope-factor > 1 (e.g. 2: twice the context)")
     if isinstance(cfg.get("length"), list):
         cfg["length"] = cfg["length"][0]
     return cfg

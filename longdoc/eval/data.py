@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import itertools
 from typing import Any
 
 _CACHE: dict[tuple, list[str]] = {}
@@ -22,19 +22,26 @@ def synth_documents(domain: str, tokens: int, count: int, seed: int, tokenizer: 
 
 
 def read_texts(paths: list[str], limit: int | None = None) -> list[str]:
-    """The 'document' (or 'text') field of the jsonl lines of `paths` (the first `limit` of each file)."""
+    """The document texts of `paths` (the first `limit` of each input), read by the reader `longdoc data
+    prepare` uses: jsonl/json/parquet/csv with a text/document/content field, folders of .txt/.md, hub ids."""
+    from longdoc.corpus.ingest import read_documents
+
     texts = []
     for path in paths:
-        with open(path, encoding="utf-8") as f:
-            taken = 0
-            for line_no, line in enumerate(f, 1):
-                if limit is not None and taken >= limit:
-                    break
-                if line.strip():
-                    taken += 1
-                    rec = json.loads(line)
-                    text = rec.get("document", rec.get("text")) if isinstance(rec, dict) else None
-                    if not isinstance(text, str):
-                        raise ValueError(f"{path}:{line_no}: needs a 'document' or 'text' string")
-                    texts.append(text)
+        docs = read_documents([path], task="pretrain")
+        texts += [d["text"] for d in (docs if limit is None else itertools.islice(docs, limit))]
     return texts
+
+
+def check_inputs(paths: list[str], flag: str, limit: int | None = 1, task: str = "pretrain") -> None:
+    """Fail fast, before ranks start: a missing path by name, a bad record with its file:line and the fix."""
+    from pathlib import Path
+
+    from longdoc.corpus.ingest import looks_like_path, read_documents
+
+    for path in paths:
+        if not Path(path).exists() and looks_like_path(str(path)):
+            raise FileNotFoundError(f"{flag} {path} does not exist (give a jsonl/json/parquet/csv file, a folder of "
+                                    f".txt/.md documents, or a hub dataset id)")
+        for _ in itertools.islice(read_documents([path], task=task), limit):
+            pass

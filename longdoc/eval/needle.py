@@ -3,7 +3,8 @@ about it, over a grid of context lengths x depths. Accuracy grid as JSON and a h
 
     longdoc eval needle --model M --domain legal --lengths 1k,2k,4k --depths 0,0.25,0.5,0.75,1 --cp 2
 
-The haystack is a `longdoc data synth` document of the domain cut to the cell's length (its facts are
+The haystack is the user's own documents (`--haystack FILE|FOLDER`, joined in turn) or a `longdoc data
+synth` document of the domain cut to the cell's length (its facts are
 about the case, never about the needle). The needle is one sentence with a fresh random 5-digit value
 per cell, placed at the sentence boundary at or before the requested depth; the cell's "length" is
 the document's token count with the needle in it (the prompt adds the instruction and the question).
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-from longdoc.eval import data, metrics, plots, report
+from longdoc.eval import data, metrics, plots, report, runner
 from longdoc.eval.prompts import Prompter
 from longdoc.hf.session import KVSession
 from longdoc.parallel.api import ContextParallel
@@ -35,9 +36,26 @@ NEEDLES = {
 }
 
 
-def haystacks(domain: str, tokens: int, count: int, seed: int, tokenizer: Any) -> list[str]:
-    """`count` filler documents of at least `tokens` tokens (deterministic in domain, tokens, seed)."""
-    return data.synth_documents(domain, int(tokens * 1.05) + 64, count, seed, tokenizer)
+def haystacks(domain: str, tokens: int, count: int, seed: int, tokenizer: Any,
+              documents: list[str] | None = None) -> list[str]:
+    """`count` filler documents of at least `tokens` tokens: generated (deterministic in domain, tokens, seed),
+    or the user's `documents` (e.g. their own contracts) joined in turn, haystack r starting at document r."""
+    if not documents:
+        return data.synth_documents(domain, int(tokens * 1.05) + 64, count, seed, tokenizer)
+    sizes = [len(tokenizer(d, add_special_tokens=False, verbose=False)["input_ids"]) for d in documents]
+    if sum(sizes) < tokens + 64:
+        raise runner.EvalInputError(f"--haystack documents hold {sum(sizes)} tokens in all, the longest --lengths "
+                                    f"cell needs about {tokens + 64}; pass more (or longer) documents or lower "
+                                    f"--lengths")
+    out = []
+    for r in range(count):
+        parts, have, i = [], 0, r % len(documents)
+        while have < tokens + 64:
+            parts.append(documents[i].strip())
+            have += sizes[i] + 2
+            i = (i + 1) % len(documents)
+        out.append("\n\n".join(parts))
+    return out
 
 
 def plant(haystack: str, needle: str, length: int, depth: float, tokenizer: Any) -> tuple[str, float, int]:
@@ -79,18 +97,26 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, cp: ContextParallel, cfg: d
     prompter = Prompter(tokenizer, chat=cfg.get("chat"))
     stops = prompter.stop_ids()
     device = next(model.parameters()).device
-    stacks = haystacks(domain, max(lengths), repeats, seed, tokenizer)
+    own = data.read_texts(cfg["haystack"]) if cfg.get("haystack") else None
+    stacks = haystacks(domain, max(lengths), repeats, seed, tokenizer, own)
     hits = [[[] for _ in lengths] for _ in depths]
-    cells = []
-    todo = _cells(cfg)
-    for j, i, depth, r in tqdm(todo, desc="needle", unit="cell", disable=cp.rank != 0, dynamic_ncols=True):
+    cells, prompts = [], []
+    for j, i, depth, r in _cells(cfg):  # every prompt built and checked before any compute
         length = lengths[j]
         rng = random.Random(f"needle:{domain}:{seed}:{length}:{depth}:{r}")
         value = str(rng.randrange(10000, 100000))
         sentence, question = NEEDLES[domain][r % len(NEEDLES[domain])]
         needle = sentence.format(value=value)
         doc, actual, n_doc = plant(stacks[r], needle, length, depth, tokenizer)
-        ids = torch.tensor([prompter.prefix(doc) + prompter.suffix(question)], device=device)
+        ids = prompter.prefix(doc) + prompter.suffix(question)
+        runner.check_context(model, len(ids) + cfg.get("max_new_tokens", 32),
+                             f"the needle prompt for --lengths {length} ({len(ids)} tokens plus "
+                             f"{cfg.get('max_new_tokens', 32)} new)")
+        prompts.append((j, i, depth, r, value, needle, question, actual, n_doc, ids))
+    for j, i, depth, r, value, needle, question, actual, n_doc, ids in tqdm(
+            prompts, desc="needle", unit="cell", disable=cp.rank != 0, dynamic_ncols=True):
+        length = lengths[j]
+        ids = torch.tensor([ids], device=device)
         with KVSession(model, cp, strategy=cfg.get("strategy", "ring")) as session:
             gen = session.greedy(session.prefill(ids), cfg.get("max_new_tokens", 32), eos_token_id=stops)
         prediction = prompter.decode_answer(gen.tokens[0].tolist())
@@ -119,6 +145,7 @@ def check(cfg: dict[str, Any]) -> None:
         raise ValueError(f"--depths must be fractions in [0, 1] (0 = start, 1 = end), got {cfg.get('depths')}")
     if cfg.get("repeats", 1) < 1:
         raise ValueError(f"--repeats must be >= 1, got {cfg['repeats']}")
+    data.check_inputs(cfg.get("haystack") or [], "--haystack")
 
 
 def grid_table(data: dict[str, Any]) -> str:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from longdoc.eval import data, plots, report
+from longdoc.eval import data, plots, report, runner
 from longdoc.parallel import comm
 from longdoc.parallel.api import ContextParallel
 
@@ -61,7 +61,9 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, cp: ContextParallel, cfg: d
     docs = [tokenizer(t, add_special_tokens=True, verbose=False)["input_ids"] for t in _texts(cfg, tokenizer)]
     length = int(cfg["length"]) if cfg.get("length") else min(len(d) for d in docs)
     if length < 2 * buckets:
-        raise ValueError(f"documents of {length} tokens are too short for {buckets} buckets; lower --buckets")
+        raise runner.EvalInputError(f"documents of {length} tokens are too short for {buckets} buckets; "
+                                    f"lower --buckets")
+    runner.check_context(model, length, f"position-loss over documents of {length} tokens (--length)")
     edges = torch.linspace(1, length, buckets + 1).round().long().tolist()  # predicted positions 1..length-1
     sums = torch.zeros(buckets, 2, dtype=torch.float64, device=device)  # (loss sum, tokens)
     used = skipped = 0
@@ -85,8 +87,8 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, cp: ContextParallel, cfg: d
     if cp.size > 1:
         comm.Pending([dist.all_reduce(sums, group=cp.group, async_op=True)], cp.timeout, "all-reduce").wait()
     if not used:
-        raise ValueError(f"no document has {length} tokens ({skipped} shorter ones skipped); lower --length or "
-                         f"pass longer documents")
+        raise runner.EvalInputError(f"no document has {length} tokens ({skipped} shorter ones skipped); lower "
+                                    f"--length or pass longer documents")
     means = [float(s / n) if n else None for s, n in sums.tolist()]
     return {"task": "position-loss", "length": length, "buckets": buckets, "documents": used, "skipped": skipped,
             "edges": edges, "centers": [(lo + hi) / 2 for lo, hi in zip(edges[:-1], edges[1:])],
@@ -105,9 +107,7 @@ def check(cfg: dict[str, Any]) -> None:
         raise ValueError("position-loss needs --data FILE.jsonl, or --length N to generate documents of N tokens")
     if cfg.get("length") and int(cfg["length"]) < 2 * int(cfg.get("buckets", 16)):
         raise ValueError(f"--length ({cfg.get('length')}) must be at least twice --buckets ({cfg.get('buckets')})")
-    for path in cfg.get("pl_data") or []:
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"data file {path} does not exist")
+    data.check_inputs(cfg.get("pl_data") or [], "--data")
 
 
 def write_report(run_dir: str | Path, results: dict[str, Any]) -> Path:

@@ -10,40 +10,36 @@ answer, aliases, depth, ...}]}; any jsonl with "document" (or "text") and "qa" w
 
 from __future__ import annotations
 
-import json
+import itertools
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from longdoc.eval import metrics, plots, report
+from longdoc.eval import data, metrics, plots, report, runner
 from longdoc.eval.prompts import Prompter
 from longdoc.eval.scoring import answer_score
 from longdoc.hf.session import KVSession
 from longdoc.parallel.api import ContextParallel
 
+_KEEP = ("domain", "num_tokens", "aliases", "depth", "template")
+
 
 def read_records(path: str | Path, limit_docs: int | None = None, limit_questions: int | None = None
                  ) -> list[dict[str, Any]]:
-    """QA records from a jsonl file, checked for the fields the evaluation needs."""
+    """QA records of one input, read by the reader `longdoc data prepare` uses (longdoc.corpus.ingest):
+    {document, qa: [...]} records, flat {document, question, answer} records, in any format it reads."""
+    from longdoc.corpus.ingest import read_documents
+
     out = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            rec = json.loads(line)
-            doc = rec.get("document", rec.get("text"))
-            if not isinstance(doc, str) or not isinstance(rec.get("qa"), list):
-                raise ValueError(f"{path}:{line_no}: a QA record needs a 'document' (or 'text') string and a 'qa' "
-                                 f"list of {{question, answer}}; make one with `longdoc data synth`")
-            for j, q in enumerate(rec["qa"]):
-                if not q.get("question") or q.get("answer") is None:
-                    raise ValueError(f"{path}:{line_no}: qa[{j}] needs 'question' and 'answer'")
-            rec = {**rec, "document": doc, "id": rec.get("id", f"doc{line_no}"), "qa": rec["qa"][:limit_questions]}
-            out.append(rec)
-            if limit_docs is not None and len(out) >= limit_docs:
-                break
+    docs = read_documents([path], task="qa", keep=_KEEP)
+    for rec in docs if limit_docs is None else itertools.islice(docs, limit_docs):
+        # depth: the record's own, else where the answer's evidence starts (as prepare finds it)
+        qas = [{**q, "id": q["qa_id"], "kind": q["kind"] or "-",
+                "depth": q["depth"] if isinstance(q.get("depth"), (int, float))
+                else q["spans"][0][0] / max(len(rec["document"]), 1)} for q in rec["qas"][:limit_questions]]
+        out.append({**rec, "id": rec["doc_id"], "qa": qas})
     if not out:
         raise ValueError(f"{path} holds no QA records")
     return out
@@ -62,10 +58,16 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, records: Sequence[dict[str,
     prompter = Prompter(tokenizer, chat=chat)
     stops = prompter.stop_ids()
     device = next(model.parameters()).device
+    prefixes = [prompter.prefix(rec["document"]) for rec in records]
+    for rec, ids in zip(records, prefixes):  # all of them before any compute: a long one must not come last
+        asked = max(len(prompter.suffix(qa["question"]))
+                    + max(max_new_tokens, len(prompter.answer(str(qa["answer"])))) for qa in rec["qa"])
+        runner.check_context(model, len(ids) + asked, f"document {rec['id']!r} ({rec.get('source', '?')}): its prompt "
+                             f"of {len(ids)} tokens plus question and answer ({asked} more)")
     bar = _progress(sum(len(r["qa"]) for r in records), cp, "qa") if progress else None
     rows: list[dict[str, Any]] = []
-    for rec in records:
-        prefix = torch.tensor([prompter.prefix(rec["document"])], device=device)
+    for rec, ids in zip(records, prefixes):
+        prefix = torch.tensor([ids], device=device)
         with KVSession(model, cp, strategy=strategy) as session:
             session.prefill(prefix)
             start = session.mark()
@@ -171,7 +173,4 @@ def check(cfg: dict[str, Any]) -> None:
     """Fail fast, before ranks start, on missing or malformed data files."""
     if not cfg.get("data"):
         raise ValueError("qa needs --data FILE.jsonl (make one with `longdoc data synth --domain legal ...`)")
-    for path in cfg["data"]:
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"QA data file {path} does not exist")
-        read_records(path, limit_docs=1)
+    data.check_inputs(cfg["data"], "--data", task="qa")

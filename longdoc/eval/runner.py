@@ -49,13 +49,31 @@ def _device(cfg: dict[str, Any], launched: bool):
 
 
 def load_model(name: str, cfg: dict[str, Any], device) -> tuple[Any, Any]:
-    """(model in eval mode on `device`, tokenizer) for a model name, folder or "tiny:<arch>"."""
-    import torch
+    """(model in eval mode on `device`, tokenizer) for a model name, folder or "tiny:<arch>"; RoPE extended
+    by --rope-type/--rope-factor through training's own loader, so both extend it the same way."""
+    from longdoc.train.config import ModelConfig
+    from longdoc.train.modeling import load_extended
 
-    from longdoc import models
-
-    model, tokenizer = models.load(name, dtype=getattr(torch, check_dtype(cfg.get("dtype", "float32"))))
+    mcfg = ModelConfig(name=name, dtype=check_dtype(cfg.get("dtype", "float32")), rope_type=cfg.get("rope_type"),
+                       rope_factor=float(cfg.get("rope_factor") or 1.0))
+    model, tokenizer = load_extended(mcfg)
     return model.to(device).eval(), tokenizer
+
+
+def check_context(model: Any, tokens: int, what: str) -> None:
+    """Refuse, before any compute, `tokens` positions past the model's context (training's rule and code)."""
+    from longdoc.train.modeling import check_context as check
+    from longdoc.train.modeling import context_limit
+
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope in (None, "default"):
+        extend = ("--rope-type yarn --rope-factor {factor} (the model has no RoPE scaling; this extends it as "
+                  "training's model.rope_type / model.rope_factor do), or use a model fine-tuned with RoPE scaling")
+    else:  # scaling does not stack (training refuses it too)
+        extend = f"a model fine-tuned for a longer context (this one already has {rope} RoPE scaling)"
+    check(tokens, context_limit(model), what=what, extend=extend,
+          shorten="use shorter documents")
 
 
 def stamp(result: dict[str, Any], cfg: dict[str, Any], cp_size: int, started: float) -> dict[str, Any]:
@@ -76,9 +94,26 @@ def run_rank(fn: Job, cfg: dict[str, Any], launched: bool = False) -> dict[str, 
     return fn(cp, device, cfg)
 
 
+class EvalInputError(ValueError):
+    """Bad input found on the ranks (the same on every rank, before any collective); the message says the fix."""
+
+
+def _input_errors() -> tuple[type[BaseException], ...]:
+    from longdoc.corpus.ingest import CorpusError
+    from longdoc.train.config import RecipeError
+
+    return RecipeError, CorpusError, EvalInputError
+
+
 def _spawned(rank: int, world_size: int, fn: Job, cfg: dict[str, Any]) -> dict[str, Any] | None:
-    result = run_rank(fn, cfg)
+    try:
+        result = run_rank(fn, cfg)
+    except _input_errors() as e:  # every rank raises it alike; the parent shows the message, not a traceback
+        return {_ERROR: str(e)} if rank == 0 else None
     return result if rank == 0 else None  # only rank 0's copy travels back
+
+
+_ERROR = "__input_error__"
 
 
 def run(fn: Job, cfg: dict[str, Any]) -> dict[str, Any] | None:
@@ -104,5 +139,8 @@ def run(fn: Job, cfg: dict[str, Any]) -> dict[str, Any] | None:
 
     threads = int(cfg.get("threads") or max(1, (os.cpu_count() or 1) // cp_size))
     # The deadline bounds the whole run; collectives keep their own timeout (cfg["timeout"]).
-    return run_local(cp_size, _spawned, fn, cfg, threads=threads, deadline=float(cfg.get("deadline", 7 * 86400)),
-                     pg_timeout=float(cfg.get("timeout", 1800)))[0]
+    result = run_local(cp_size, _spawned, fn, cfg, threads=threads, deadline=float(cfg.get("deadline", 7 * 86400)),
+                       pg_timeout=float(cfg.get("timeout", 1800)))[0]
+    if isinstance(result, dict) and _ERROR in result:
+        raise EvalInputError(result[_ERROR])
+    return result

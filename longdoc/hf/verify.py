@@ -22,6 +22,7 @@ import sys
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from longdoc import cliargs
 from longdoc.parallel.api import STRATEGIES
 from longdoc.parallel.layout import LAYOUTS
 
@@ -74,7 +75,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True,
                    help="model name/folder/hub id, 'tiny:<arch>' or a config.json (random init)")
     p.add_argument("--cp", type=int, required=True, help="context-parallel ranks")
-    p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence (any length)")
+    p.add_argument("--seq-len", type=cliargs.length, required=True,
+                   help="tokens per sequence (any length; e.g. 4096, 4k)")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
     p.add_argument("--layout", default="zigzag", choices=LAYOUTS)

@@ -12,6 +12,8 @@ import argparse
 import json
 import sys
 
+from longdoc import cliargs
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from longdoc.plan.hardware import DEVICES, INTERCONNECTS
@@ -23,7 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True,
                    help="published config name (Llama-3.1-8B, Llama-3.1-70B, Qwen2.5-7B, SmolLM2-135M), a config.json, "
                         "a model folder, 'tiny:<arch>' or a hub id")
-    p.add_argument("--seq-len", type=int, required=True, help="tokens per training sequence")
+    p.add_argument("--seq-len", type=cliargs.length, required=True,
+                   help="tokens per training sequence (e.g. 131072, 128k, 1M)")
     p.add_argument("--gpus", type=int, default=8, help="devices in the job (= dp x cp)")
     p.add_argument("--gpu", default="h100", choices=list(DEVICES), help="device kind ('cpu': one local gloo process)")
     p.add_argument("--memory-gib", type=float, default=None,

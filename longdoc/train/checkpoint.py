@@ -15,6 +15,7 @@ first, for the same reason. The checkpoint folder must be shared by all ranks (o
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import random
@@ -26,6 +27,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from longdoc.io import fsync_dir, remove_dir
 
 _NAME = re.compile(r"^step-(\d{8})$")
 STATE_FILE = "trainer.json"
@@ -57,19 +60,6 @@ def _rank() -> int:
     return dist.get_rank() if _dist() else 0
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
     """(step, folder) of every complete checkpoint under root, oldest first."""
     out = []
@@ -97,7 +87,7 @@ def sweep(root: Path) -> None:
 def remove_all(root: Path) -> None:
     """Delete every checkpoint under root (overwrite=true), newest first so none is left half-deleted."""
     for _, folder in reversed(complete_checkpoints(root)):
-        _delete(folder)
+        remove_dir(folder)
     sweep(root)
 
 
@@ -139,9 +129,27 @@ def _set_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> No
 def _model_optim_state(model, optimizer, frozen_too: bool):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    opts = StateDictOptions(ignore_frozen_params=not frozen_too)
+    # strict=False only where frozen parameters are left out on purpose; load() then checks that what
+    # was not restored is exactly those parameters (and that their bytes match the ones trained on).
+    opts = StateDictOptions(ignore_frozen_params=not frozen_too, strict=frozen_too)
     msd, osd = get_state_dict(model, optimizer, options=opts)
     return {"model": msd, "optim": osd}, opts
+
+
+def _frozen(model) -> list[tuple[str, torch.Tensor]]:
+    return [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+
+
+def frozen_digest(model) -> dict[str, Any]:
+    """Count and sha256 of the frozen parameters (names, dtypes, shapes, bytes): a checkpoint that leaves
+    them out (LoRA) is only right on top of the very same base weights."""
+    h = hashlib.sha256()
+    frozen = _frozen(model)
+    for name, p in frozen:
+        t = p.detach().to("cpu").contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return {"count": len(frozen), "sha256": h.hexdigest()}
 
 
 def save(root: Path, step: int, model, optimizer, trainer_state: dict, keep: int,
@@ -166,28 +174,21 @@ def save(root: Path, step: int, model, optimizer, trainer_state: dict, keep: int
     (tmp / f"rng-rank{rank:05d}.json").write_text(json.dumps(meta))
     _barrier()
     if rank == 0:
-        body = json.dumps({"format": FORMAT_VERSION, **trainer_state}, indent=1, default=_json_default)
+        extra = {} if frozen_too else {"frozen": frozen_digest(model)}  # every rank holds the same base
+        body = json.dumps({"format": FORMAT_VERSION, **trainer_state, **extra}, indent=1, default=_json_default)
         with open(tmp / STATE_FILE, "w") as f:
             f.write(body)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():  # the same step saved again (e.g. `every` hits the last step): replace
-            _delete(final)
+            remove_dir(final)
         os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         for _, old in complete_checkpoints(root)[:-keep]:
-            _delete(old)
+            remove_dir(old)
     _barrier()
     return final
-
-
-def _delete(folder: Path) -> None:
-    # rename first: a half-deleted folder must never look like a complete checkpoint
-    trash = folder.with_name(f".{folder.name}.deleting")
-    shutil.rmtree(trash, ignore_errors=True)
-    os.rename(folder, trash)
-    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _json_default(o):
@@ -227,7 +228,14 @@ def load(folder: Path, model, optimizer, frozen_too: bool = False) -> dict:
         raise CheckpointError(f"checkpoint {folder / 'state'} could not be loaded: {_short(e)}. If a file there "
                               f"is truncated or corrupted, delete {folder} to resume from the previous "
                               f"checkpoint") from None
-    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=opts)
+    if not frozen_too:
+        _check_frozen(folder, state, model, sd["model"])
+    result = set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
+                            options=opts)
+    if not frozen_too and (result.unexpected_keys or len(result.missing_keys) != len(_frozen(model))):
+        raise CheckpointError(f"checkpoint {folder} does not match this model: not restored "
+                              f"{list(result.missing_keys)[:5]}, unexpected {list(result.unexpected_keys)[:5]} "
+                              f"(same model and lora settings as the run that wrote it?)")
     rank = _rank()
     rng_t, rng_j = folder / f"rng-rank{rank:05d}.safetensors", folder / f"rng-rank{rank:05d}.json"
     if rng_t.is_file() and rng_j.is_file():
@@ -239,6 +247,19 @@ def load(folder: Path, model, optimizer, frozen_too: bool = False) -> dict:
     else:
         state["rng_restored"] = False  # more ranks than when saved: they keep their fresh seeds
     return state
+
+
+def _check_frozen(folder: Path, state: dict, model, trainable: dict) -> None:
+    want = state.get("frozen")
+    if want is None:
+        return  # written before digests existed
+    have = frozen_digest(model)
+    if have != want:
+        raise CheckpointError(
+            f"cannot resume from {folder}: it holds only the trained parameters ({len(trainable)} tensors), and "
+            f"this model's frozen parameters differ from those it was trained on ({have['count']} vs "
+            f"{want['count']} tensors, sha256 {have['sha256'][:12]} vs {want['sha256'][:12]}); resume with the same "
+            f"model.name, model.dtype, model.rope_* and lora.* as the run that wrote it, or start a new output_dir")
 
 
 def _short(e: BaseException) -> str:

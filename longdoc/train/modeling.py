@@ -38,9 +38,9 @@ def rope_parameters(config, cfg: ModelConfig) -> tuple[dict, int]:
     return params, new_max
 
 
-def build(mcfg: ModelConfig, lcfg: LoraConfig, tcfg: TrainConfig, cp, seq_len: int):
-    """(model, tokenizer): loaded, RoPE-extended, LoRA-wrapped, checkpointed and CP-patched; train mode."""
-    import longdoc
+def load_extended(mcfg: ModelConfig):
+    """(model, tokenizer) loaded with RoPE extended as `mcfg` asks (model.rope_type / rope_factor); the one
+    loader training and evaluation share, so `eval --rope-type` extends exactly as training did."""
     from longdoc import models
 
     dtype = _TORCH_DTYPES[mcfg.dtype]
@@ -63,11 +63,30 @@ def build(mcfg: ModelConfig, lcfg: LoraConfig, tcfg: TrainConfig, cp, seq_len: i
             config.rope_parameters = params
             config.max_position_embeddings = new_max
             kwargs["config"] = config
-    model, tokenizer = models.load(mcfg.name, dtype=dtype, trust_remote_code=mcfg.trust_remote_code, **kwargs)
-    limit = int(model.config.get_text_config().max_position_embeddings)
-    if seq_len > limit:
-        raise RecipeError(f"data.seq_len={seq_len} exceeds the model's context ({limit} tokens); extend it with "
-                          f"model.rope_type=yarn model.rope_factor={_factor(seq_len, limit)}, or shorten data.seq_len")
+    return models.load(mcfg.name, dtype=dtype, trust_remote_code=mcfg.trust_remote_code, **kwargs)
+
+
+def context_limit(model) -> int:
+    """The positions the model was trained for (after any RoPE extension in its config)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(config.max_position_embeddings)
+
+
+def check_context(tokens: int, limit: int, *, what: str, extend: str, shorten: str) -> None:
+    """Refuse `tokens` positions past the model's `limit`: RoPE beyond its trained range runs and silently
+    returns garbage. `extend` is formatted with the smallest power-of-two factor that fits."""
+    if tokens > limit:
+        raise RecipeError(f"{what} exceeds the model's context ({limit} tokens); extend it with "
+                          f"{extend.format(factor=_factor(tokens, limit))}, or {shorten}")
+
+
+def build(mcfg: ModelConfig, lcfg: LoraConfig, tcfg: TrainConfig, cp, seq_len: int):
+    """(model, tokenizer): loaded, RoPE-extended, LoRA-wrapped, checkpointed and CP-patched; train mode."""
+    import longdoc
+
+    model, tokenizer = load_extended(mcfg)
+    check_context(seq_len, context_limit(model), what=f"data.seq_len={seq_len}",
+                  extend="model.rope_type=yarn model.rope_factor={factor}", shorten="shorten data.seq_len")
     model.config.use_cache = False
     if tcfg.activation_checkpointing:
         # Non-reentrant: works with frozen inputs (LoRA), keyword arguments and the CP autograd Functions.

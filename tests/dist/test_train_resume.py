@@ -70,3 +70,50 @@ def test_resume_after_kill_continues_exactly(tmp_path):
     assert [r["loss"] for r in logged] == pytest.approx([loss for _, loss in full], abs=1e-6, rel=0)
     assert not (ck / ".step-00000006.tmp").exists()  # swept at the resumed start
     assert (ck / "step-00000008" / "trainer.json").is_file()  # rewritten complete by the resumed run
+
+
+LORA = ["lora.enabled=true", "lora.r=4", "train.steps=6", "checkpoint.every=2", "checkpoint.keep=3",
+        "checkpoint.export=false"]
+
+
+def _same(hist, ref, tol):
+    assert [s for s, _ in hist] == [s for s, _ in ref]
+    assert [loss for _, loss in hist] == pytest.approx([loss for _, loss in ref], abs=tol, rel=0)
+
+
+def test_lora_resume_after_kill_continues_exactly_on_any_cp_size(tmp_path):
+    """A LoRA checkpoint holds the adapter only (the frozen base is rebuilt from the recipe): resuming
+    it used to fail with `Missing key(s) in state_dict`. Killed at cp=2, resumed at cp=2, cp=1 (reshard)."""
+    full = {cp: ranks(cp, train_history, tiny_recipe(tmp_path / f"full{cp}"), LORA + [f"cp_size={cp}"])[0]
+            for cp in (1, 2)}
+    assert [s for s, _ in full[2]] == list(range(1, 7))
+    _same(full[2], full[1], 1e-5)  # cp=2 is the single-process run
+
+    run = tmp_path / "killed"
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    with pytest.raises(AssertionError, match="gave no result"):
+        ranks(2, train_until_killed, tiny_recipe(run), LORA + ["cp_size=2"], ".step-00000004.tmp", str(pids),
+              deadline=200)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [".step-00000004.tmp", "step-00000002"]
+    state = json.loads((run / "checkpoints" / "step-00000002" / "trainer.json").read_text())
+    assert state["frozen"]["count"] > 0  # the base was left out, and its digest kept
+
+    import shutil
+    other = tmp_path / "killed-cp1"
+    shutil.copytree(run, other)
+    for hist in ranks(2, train_history, tiny_recipe(run), LORA + ["cp_size=2", "resume=true"]):
+        _same(hist, full[2][2:], 1e-6)
+    (cp1,) = ranks(1, train_history, tiny_recipe(other), LORA + ["cp_size=1", "resume=true"])
+    _same(cp1, full[1][2:], 1e-5)
+
+
+def test_lora_resume_at_cp1_is_exact(tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    every3 = LORA + ["checkpoint.every=3"]
+    full = ranks(1, train_history, tiny_recipe(run), every3)[0]
+    shutil.rmtree(run / "checkpoints" / "step-00000006")  # as if killed after step 5
+    resumed = ranks(1, train_history, tiny_recipe(run), every3 + ["resume=true"])[0]
+    _same(resumed, full[3:], 1e-6)

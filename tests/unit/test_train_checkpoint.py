@@ -75,3 +75,35 @@ def test_damaged_checkpoint_errors_name_the_file(tmp_path):
     (folder / "trainer.json").write_text("{not json")
     with pytest.raises(checkpoint.CheckpointError, match=r"trainer.json is unreadable"):
         checkpoint.read_state(folder)
+
+
+def _frozen_first(seed: int):
+    model, _ = _model_and_optim(seed)
+    model[0].requires_grad_(False)  # like a LoRA base: not trained, not saved
+    return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+
+def test_frozen_parameters_are_left_out_and_resume_exactly(tmp_path):
+    model, opt = _frozen_first(0)
+    _step(model, opt)
+    folder = checkpoint.save(tmp_path, 1, model, opt, {"step": 1}, keep=2)
+    _step(model, opt)
+    want = [p.detach().clone() for p in model.parameters()]
+
+    model2, opt2 = _frozen_first(0)  # the same base, a fresh trainable part and optimizer
+    with torch.no_grad():
+        model2[1].weight.add_(1.0)
+    checkpoint.load(folder, model2, opt2)
+    _step(model2, opt2)
+    for p, w in zip(model2.parameters(), want, strict=True):
+        torch.testing.assert_close(p, w, rtol=0, atol=0)
+
+
+def test_frozen_parameters_of_another_base_are_refused(tmp_path):
+    model, opt = _frozen_first(0)
+    folder = checkpoint.save(tmp_path, 1, model, opt, {"step": 1}, keep=2)
+    model2, opt2 = _frozen_first(0)
+    with torch.no_grad():
+        model2[0].weight.mul_(2.0)  # a different frozen base: the adapter on top of it would be silently wrong
+    with pytest.raises(checkpoint.CheckpointError, match="frozen parameters differ.*model.name"):
+        checkpoint.load(folder, model2, opt2)

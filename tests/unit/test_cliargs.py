@@ -1,0 +1,75 @@
+"""One length parser and one "did you mean" for every `longdoc` command line; bad input exits 2, no traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+
+from longdoc import cliargs
+from longdoc.cli import build_parser, main
+
+
+@pytest.mark.parametrize("text, want", [("4096", 4096), ("4k", 4096), ("1.5k", 1536), ("128K", 131072),
+                                        ("1M", 1048576), (" 2m ", 2097152)])
+def test_length_accepts_k_and_m(text, want):
+    assert cliargs.length(text) == want
+
+
+@pytest.mark.parametrize("text", ["", "k", "4q", "-1k", "0", "0.3k", "1e400"])
+def test_length_refuses_with_examples(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="such as 4096, 4k, 128k or 1M"):
+        cliargs.length(text)
+
+
+def test_every_length_option_takes_suffixes():
+    p = build_parser()
+    assert p.parse_args(["plan", "--model", "m", "--seq-len", "128k"]).seq_len == 131072
+    assert p.parse_args(["verify", "--model", "m", "--cp", "2", "--seq-len", "4k"]).seq_len == 4096
+    assert p.parse_args(["data", "synth", "--domain", "legal", "--tokens", "32k", "--out", "x"]).tokens == 32768
+    assert p.parse_args(["data", "prepare", "a", "--out", "x", "--target-tokens", "1M"]).target_tokens == 1 << 20
+    assert p.parse_args(["eval", "needle", "--lengths", "1k,2k,4096"]).lengths == [1024, 2048, 4096]
+    assert p.parse_args(["eval", "position-loss", "--length", "8k"]).length == 8192
+    assert p.parse_args(["bench", "--seq-len", "16k"]).seq_len == 16384
+
+
+def test_mistyped_choice_says_did_you_mean(capsys):
+    for argv, hint in ((["eval", "needle", "--domain", "legl"], "did you mean 'legal'?"),
+                       (["eval", "qa", "--data", "x", "--strategy", "rign"], "did you mean 'ring'?"),
+                       (["evl"], "did you mean 'eval'?"),
+                       (["data", "prepare", "a", "--out", "x", "--task", "pretrian"], "did you mean 'pretrain'?")):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(argv)
+        assert e.value.code == 2
+        assert hint in capsys.readouterr().err
+
+
+def _cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "longdoc", *args], capture_output=True, text=True, timeout=300,
+                          cwd=cwd)
+
+
+def test_bad_input_exits_2_with_the_message_and_no_traceback(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    flat = tmp_path / "qa.jsonl"
+    flat.write_text(json.dumps({"document": "short text", "question": "q?", "answer": "absent"}) + "\n")
+    missing = str(tmp_path / "missing")
+    cases = [(["eval", "position-loss", "--model", "tiny:llama", "--data", missing], "does not exist"),
+             (["eval", "position-loss", "--model", "tiny:llama", "--data", str(bad)], "bad.jsonl:1: not valid JSON"),
+             (["eval", "qa", "--model", "tiny:llama", "--data", str(flat)], "answer 'absent' not found"),
+             (["eval", "qa", "--model", "tiny:llama", "--data", str(flat), "--rope-factor", "2"], "needs --rope-type")]
+    for argv, msg in cases:
+        proc = _cli(*argv, cwd=tmp_path)
+        assert proc.returncode == 2, (argv, proc.stderr[-2000:])
+        assert msg in proc.stderr and "Traceback" not in proc.stderr, (argv, proc.stderr[-2000:])
+
+
+def test_explicit_argv_still_raises_unless_asked(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        main(["eval", "position-loss", "--model", "tiny:llama", "--data", str(tmp_path / "missing.jsonl")])
+    assert main(["eval", "position-loss", "--model", "tiny:llama", "--data", str(tmp_path / "missing.jsonl")],
+                catch=True) == 2

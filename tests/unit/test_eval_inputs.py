@@ -1,0 +1,127 @@
+"""What `longdoc eval` does with the inputs users bring: too-long prompts (refused before any compute, the
+fix named), every format `longdoc data prepare` reads, folders and text files, the user's own haystack."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from longdoc.cli import main
+from longdoc.eval import report
+from longdoc.eval.runner import EvalInputError
+
+DOC = " ".join(f"On day {i} the clerk docketed filing {i * 7 % 31} in the matter." for i in range(80))
+COMMON = ["--threads", "1", "--max-new-tokens", "2"]
+
+
+@pytest.fixture(scope="module")
+def short_model(tmp_path_factory):
+    """A tiny model folder whose context is 256 positions (no RoPE scaling), like SmolLM2's 8192."""
+    from longdoc import models
+
+    folder = tmp_path_factory.mktemp("m") / "short"
+    model, tok = models.load("tiny:llama", max_position_embeddings=256)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture()
+def qa_file(tmp_path):
+    path = tmp_path / "qa.jsonl"
+    path.write_text(json.dumps({"id": "d0", "document": DOC, "qa": [{"question": "What was docketed on day 3?",
+                                                                     "answer": "filing 21"}]}) + "\n")
+    return path
+
+
+def test_eval_qa_refuses_a_prompt_past_the_context_before_any_compute(short_model, qa_file, tmp_path, monkeypatch):
+    from longdoc.hf.session import KVSession
+
+    def no_compute(*a, **k):
+        raise AssertionError("a prefill ran before the length check")
+
+    monkeypatch.setattr(KVSession, "prefill", no_compute)
+    with pytest.raises(ValueError, match=r"document 'd0'.*prompt of \d+ tokens.*exceeds the model's context "
+                                         r"\(256 tokens\).*--rope-type yarn --rope-factor \d.*no RoPE scaling"
+                                         r".*fine-tuned with RoPE scaling.*shorter documents"):
+        main(["eval", "qa", "--model", short_model, "--data", str(qa_file), *COMMON, "--out", str(tmp_path / "o")])
+    assert not (tmp_path / "o").exists()
+
+
+def test_eval_needle_and_position_loss_refuse_too(short_model, tmp_path):
+    with pytest.raises(ValueError, match=r"needle prompt for --lengths 512.*exceeds the model's context \(256"):
+        main(["eval", "needle", "--model", short_model, "--lengths", "128,512", "--depths", "0", *COMMON,
+              "--out", str(tmp_path / "n")])
+    with pytest.raises(ValueError, match=r"position-loss over documents of 512 tokens.*context \(256.*--rope-type"):
+        main(["eval", "position-loss", "--model", short_model, "--length", "512", "--buckets", "4", "--threads", "1",
+              "--out", str(tmp_path / "p")])
+
+
+def test_eval_rope_option_extends_as_training_does(short_model, qa_file, tmp_path):
+    from longdoc.eval.runner import load_model
+    from longdoc.train.config import ModelConfig
+    from longdoc.train.modeling import load_extended
+
+    model, _ = load_model(short_model, {"rope_type": "yarn", "rope_factor": 8.0}, "cpu")
+    trained, _ = load_extended(ModelConfig(name=short_model, rope_type="yarn", rope_factor=8.0))
+    assert model.config.max_position_embeddings == trained.config.max_position_embeddings == 2048
+    assert model.config.rope_parameters == trained.config.rope_parameters
+    assert main(["eval", "qa", "--model", short_model, "--data", str(qa_file), *COMMON, "--rope-type", "yarn",
+                 "--rope-factor", "8", "--out", str(tmp_path / "o")]) == 0
+    with pytest.raises(ValueError, match="--rope-factor needs --rope-type"):
+        main(["eval", "qa", "--model", short_model, "--data", str(qa_file), "--rope-factor", "2"])
+
+
+def test_eval_qa_reads_flat_records_and_csv_like_prepare(tmp_path):
+    flat = tmp_path / "flat.jsonl"
+    flat.write_text(json.dumps({"document": DOC, "question": "What was docketed on day 3?", "answer": "filing 21"})
+                    + "\n")
+    out = tmp_path / "o"
+    assert main(["eval", "qa", "--model", "tiny:llama", "--data", str(flat), *COMMON, "--out", str(out)]) == 0
+    rows = report.load_results(out)["rows"]
+    assert len(rows) == 1 and rows[0]["answer"] == "filing 21"
+    assert rows[0]["depth"] == pytest.approx(DOC.find("filing 21") / len(DOC))  # from the evidence span
+
+
+def test_position_loss_takes_a_folder_and_a_txt_file(tmp_path):
+    docs = tmp_path / "notes"
+    docs.mkdir()
+    (docs / "a.txt").write_text(DOC)
+    (docs / "b.md").write_text(DOC[::-1])
+    for data, n in ((docs, 2), (docs / "a.txt", 1)):
+        out = tmp_path / f"o{n}"
+        assert main(["eval", "position-loss", "--model", "tiny:llama", "--data", str(data), "--buckets", "4",
+                     "--threads", "1", "--out", str(out)]) == 0
+        assert report.load_results(out)["documents"] == n
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "case1").write_text(DOC)
+    with pytest.raises(ValueError, match=r"1 file\(s\) without an extension \(case1\).*give them a \.txt extension"):
+        main(["eval", "position-loss", "--model", "tiny:llama", "--data", str(bare)])
+
+
+def test_needle_uses_the_users_haystack(tmp_path):
+    docs = tmp_path / "contracts"
+    docs.mkdir()
+    text = " ".join(f"Clause {i}: the lessee shall pay rent number {i} on time." for i in range(60))
+    (docs / "lease.txt").write_text(text)
+    out = tmp_path / "o"
+    started = time.time()
+    assert main(["eval", "needle", "--model", "tiny:llama", "--haystack", str(docs), "--lengths", "128,256",
+                 "--depths", "0.5", *COMMON, "--out", str(out)]) == 0
+    assert time.time() - started < 120
+    cells = report.load_results(out)["cells"]
+    assert len(cells) == 2 and all(abs(c["doc_tokens"] - c["length"]) <= 3 for c in cells)
+    with pytest.raises(EvalInputError, match="--haystack documents hold .* lower --lengths"):
+        main(["eval", "needle", "--model", "tiny:llama", "--haystack", str(docs), "--lengths", "100000",
+              "--depths", "0.5", *COMMON, "--out", str(out)])
+
+
+def test_spawned_ranks_hand_back_the_message_not_a_traceback(short_model, qa_file, tmp_path):
+    """--cp 2 spawns ranks; each refuses alike before any collective, the parent raises the same message."""
+    with pytest.raises(EvalInputError, match=r"^document 'd0'.*exceeds the model's context \(256 tokens\)") as e:
+        main(["eval", "qa", "--model", short_model, "--data", str(qa_file), *COMMON, "--cp", "2",
+              "--out", str(tmp_path / "o")])
+    assert "Traceback" not in str(e.value)
