@@ -42,8 +42,8 @@ class Pattern:
         """The same pattern with the parts that hide nothing at this length dropped (cheaper plans)."""
         window = self.window if self.window is not None and self.window < seq_len else None
         chunk = self.chunk_size if self.chunk_size is not None and self.chunk_size < seq_len else None
-        docs = self.documents if self.documents is not None and len(self.documents.doc_lens) > 1 else None
-        return Pattern(self.causal, window, chunk, self.softcap, docs)
+        # documents stay even when there is one: they also decide the layout (per-document zigzag)
+        return Pattern(self.causal, window, chunk, self.softcap, self.documents)
 
     @property
     def plain(self) -> bool:
