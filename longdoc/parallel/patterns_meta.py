@@ -18,6 +18,7 @@ from longdoc.parallel.masks import Pattern
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _NOT_INT = -(1 << 62)  # a window / chunk_size that is not an int at all
+_ZERO = -(1 << 61)  # a window / chunk_size of 0 (0 itself means "None" in the metadata)
 
 
 def _int_or(x) -> int:
@@ -25,7 +26,7 @@ def _int_or(x) -> int:
         return 0
     if isinstance(x, bool) or not isinstance(x, int):
         return _NOT_INT
-    return x if x != 0 else -1  # 0 means "None" in the metadata; a passed 0 is invalid (-1)
+    return x if x != 0 else _ZERO
 
 
 def _float_bits(x: float) -> int:
@@ -87,7 +88,8 @@ def problem(meta: list[int], *, causal: bool, q_heads: int, seq_len: int, layout
     window, chunk = meta[0], meta[1]
     for name, val in (("window", window), ("chunk_size", chunk)):
         if val < 0:
-            return f"{name} must be an int >= 1 or None" + ("" if val == _NOT_INT else f", got {val if val != -1 else 0}")
+            got = "" if val == _NOT_INT else f", got {0 if val == _ZERO else val}"
+            return f"{name} must be an int >= 1 or None{got}"
     if window and not causal:
         return ("window needs causal=True: a sliding window looks back (query i sees keys i - window < j <= i); "
                 "for bidirectional local attention pass causal=True per direction or documents=")

@@ -66,3 +66,27 @@ def test_patterns_match_reference(world_size):
 def test_patterns_full_matrix(world_size):
     for results in run_ranks(world_size, _cases, True, deadline=1800):
         _check(results, world_size)
+
+
+def _disagree(rank: int, world_size: int, kind: str) -> str:
+    cp = longdoc.ContextParallel(timeout=30)
+    q = torch.randn(1, 4, 8, 16)
+    k = torch.randn(1, 2, 8, 16)
+    kwargs = {
+        "window": {"window": 5 + rank},
+        "sinks": {"sinks": torch.zeros(4 if rank == 0 else 3)},
+        "documents": {"documents": (8, 8) if rank == 0 else (4, 12)},
+    }[kind]
+    try:
+        longdoc.attention(q, k, k.clone(), cp, **kwargs)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_pattern_disagreement_raises_same_error_everywhere():
+    for kind, needle in (("window", "CP ranks disagree"), ("sinks", "sinks must have shape (q_heads,) = (4,)"),
+                         ("documents", "CP ranks disagree")):
+        msgs = run_ranks(2, _disagree, kind, deadline=120)
+        assert msgs[0] == msgs[1], msgs
+        assert needle in msgs[0], msgs[0]

@@ -104,7 +104,8 @@ def _pattern_coverage(layout, world_size, n, pattern):
 
 PLAN_CASES = [
     dict(window=w, chunk_size=c, doc_lens=d, causal=causal)
-    for w, c, d, causal in itertools.product((None, 1, 2, 5, 13, 1000), (None, 4, 7), (None, (1, 9, 1, 2, 11)), (True, False))
+    for w, c, d, causal in itertools.product((None, 1, 2, 5, 13, 1000), (None, 4, 7), (None, (1, 9, 1, 2, 11)),
+                                             (True, False))
     if causal or w is None
 ]
 
