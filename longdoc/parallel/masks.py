@@ -124,18 +124,33 @@ def _emit(out: list[Block], qa: int, qb: int, ka: int, kb: int, q_off: int, k_of
 
     if fs <= ks and fe >= ke:
         out.append(Block(rows, cols(ks, ke)))
-    elif causal and (qa, qb) == (ks, ke) and (w is None or w >= qb - qa):
-        out.append(Block(rows, cols(ks, ke), causal=True))
-    elif fs >= fe:  # no key seen by every row: one band block, rows r see cols c with lo <= c - r <= hi
-        lo = None if w is None else (1 - w) - (ks - qa)
-        hi = None if not causal else qa - ks
-        out.append(Block(rows, cols(ks, ke), band=(lo, hi)))
+    elif fs >= fe:  # no key seen by every row: one band (or causal) block
+        _edge(out, qa, qb, ks, ke, q_off, k_off + ks - ka, pattern)
     else:  # a full middle, and band (or causal) edges on either side
         fs, fe = int(fs), int(fe)
+        out.append(Block(rows, cols(fs, fe)))
         for a, b in ((ks, fs), (fe, ke)):
             if a < b:
-                _emit(out, qa, qb, a, b, q_off, k_off + a - ka, pattern)
-        out.append(Block(rows, cols(fs, fe)))
+                _edge(out, qa, qb, a, b, q_off, k_off + a - ka, pattern)
+
+
+def _edge(out: list[Block], qa: int, qb: int, ka: int, kb: int, q_off: int, k_off: int, pattern: Pattern) -> None:
+    """One masked block for queries [qa, qb) x keys [ka, kb): a causal square, or a band whose two
+    diagonals are the window's lower edge and the causal upper edge; rows that see none are dropped."""
+    w, causal = pattern.window, pattern.causal
+    top = max(qa, ka) if causal else qa
+    bottom = min(qb, kb + w - 1) if w is not None else qb
+    if top >= bottom:
+        return
+    q_off, qa, qb = q_off + top - qa, top, bottom
+    rows, cols = slice(q_off, q_off + qb - qa), slice(k_off, k_off + kb - ka)
+    if causal and (qa, qb) == (ka, kb) and (w is None or w >= qb - qa):
+        out.append(Block(rows, cols, causal=True))
+        return
+    # row r (query qa + r) sees col c (key ka + c) when lo <= c - r <= hi
+    lo = None if w is None or ka >= qb - w else (1 - w) - (ka - qa)
+    hi = None if not causal or kb - 1 <= qa else qa - ka
+    out.append(Block(rows, cols) if lo is None and hi is None else Block(rows, cols, band=(lo, hi)))
 
 
 @functools.lru_cache(maxsize=4096)

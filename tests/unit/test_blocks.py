@@ -123,14 +123,14 @@ def test_pattern_plan_covers_each_visible_cell_exactly_once(layout, world_size):
 
 
 def test_window_work_is_skipped_not_masked():
-    # 1k-style window at 1/16 of the sequence: the cells computed (masked ones included) stay close
-    # to the visible band, far below causal
-    n, w = 2048, 128
+    # a window of 1/8 of the sequence: the cells computed (masked ones included) stay within ~1.25x
+    # of the visible band (quarter-window tiles), so the work is ~1/3 of causal, not all of it
+    n, w = 2048, 256
     pattern = M.Pattern(True, w)
     _, computed = _pattern_coverage("zigzag", 2, n, pattern)
     visible = pattern_mask(n, True, w).sum().item()
-    assert computed <= 1.35 * visible, (computed, visible)
-    assert computed <= 0.2 * n * (n + 1) / 2
+    assert computed <= 1.3 * visible, (computed, visible)
+    assert computed <= 0.35 * n * (n + 1) / 2
 
 
 def test_ring_stops_when_no_rank_needs_more_blocks():
