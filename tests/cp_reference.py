@@ -149,7 +149,8 @@ def _err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return rel_err(got, ref)
 
 
-def run_pattern_case(cp_factory, case, seed: int, world_size: int, batch: int = 2, head_dim: int = 16) -> dict:
+def run_pattern_case(cp_factory, case, seed: int, world_size: int, batch: int = 2, head_dim: int = 16,
+                     device: str = "cpu") -> dict:
     """Relative errors of CP attention with a pattern vs the float64 reference, on this rank."""
     import longdoc
 
@@ -170,12 +171,13 @@ def run_pattern_case(cp_factory, case, seed: int, world_size: int, batch: int = 
                         packed.doc_lens if packed else None)
     ref = pattern_reference(q, k, v, dout, mask, spec.get("softcap"), sinks)
     shard = lambda t: cp.shard(t, dim=2, documents=packed)  # noqa: E731
-    leaves = [shard(t).requires_grad_() for t in (q, k, v)]
+    leaves = [shard(t).to(device).requires_grad_() for t in (q, k, v)]
     if sinks is not None:
-        leaves.append(sinks.clone().requires_grad_())
+        leaves.append(sinks.clone().to(device).requires_grad_())
     out = longdoc.attention(*leaves[:3], cp, causal=causal, strategy=strategy, sinks=leaves[3] if with_sinks else None,
                             documents=packed, **spec)
-    grads = torch.autograd.grad(out, leaves, shard(dout))
+    grads = [g_.cpu() for g_ in torch.autograd.grad(out, leaves, shard(dout).to(device))]
+    out = out.cpu()
     errs = {"out": _err(out, shard(ref[0]))}
     for n_, g_, r_ in zip(("dq", "dk", "dv"), grads[:3], ref[1:4]):
         errs[n_] = _err(g_, shard(r_))

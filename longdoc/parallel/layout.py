@@ -138,6 +138,17 @@ class Packed:
                              f"document, in order), got {self.doc_lens!r}")
         object.__setattr__(self, "doc_lens", lens)
 
+    @classmethod
+    def from_position_ids(cls, position_ids) -> Packed:
+        """The documents of one packed row in Hugging Face's format (position_ids restarting at 0 at
+        each document, as DataCollatorWithFlattening makes): a 1-D sequence or tensor of ints."""
+        pos = [int(p) for p in (position_ids.tolist() if isinstance(position_ids, torch.Tensor) else position_ids)]
+        if not pos or pos[0] != 0 or any(b not in (0, a + 1) for a, b in zip(pos, pos[1:])):
+            raise ValueError("documents: packed position_ids must start at 0 and either go up by 1 or restart at "
+                             "0 (a new document); got a row that does neither (1-D, one row of the batch)")
+        starts = [i for i, p in enumerate(pos) if p == 0] + [len(pos)]
+        return cls(tuple(b - a for a, b in zip(starts, starts[1:])))
+
     @property
     def seq_len(self) -> int:
         return sum(self.doc_lens)

@@ -96,3 +96,12 @@ def test_packed_errors_name_the_fix():
     with pytest.raises(ValueError, match="doc_lens sum to 8"):
         L.Packed((4, 4)).shard(torch.zeros(10), 0, 0, 2)
     assert L.Packed((3, 4)).pad_to(4).doc_lens == (3, 4, 1)
+
+
+def test_packed_from_hf_position_ids():
+    p = L.Packed((3, 1, 4))
+    assert L.Packed.from_position_ids(p.position_ids()) == p
+    assert L.Packed.from_position_ids([0, 1, 0, 0, 1]).doc_lens == (2, 1, 2)
+    for bad in ([1, 2], [0, 2], [], [0, 1, 1]):
+        with pytest.raises(ValueError, match="position_ids must start at 0"):
+            L.Packed.from_position_ids(bad)
