@@ -23,7 +23,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from longdoc.bench import attention, calibrate, plots, train_sections
+from longdoc.bench import agreement, attention, calibrate, patterns, plots, train_sections
 from longdoc.bench.attention import AttentionBenchConfig
 from longdoc.bench.gpu import KernelBenchConfig
 from longdoc.bench.runs import TrainRun
@@ -41,6 +41,8 @@ class SuiteConfig:
     out: str = "runs/bench"
     attention: AttentionBenchConfig = field(default_factory=AttentionBenchConfig)
     attention_lengths: tuple[int, ...] = (4096, 8192, 16384)
+    patterns: patterns.PatternBenchConfig = field(default_factory=patterns.PatternBenchConfig)
+    agreement: agreement.AgreementBenchConfig = field(default_factory=agreement.AgreementBenchConfig)
     train: TrainBenchConfig = field(default_factory=TrainBenchConfig)
     calibration_runs: tuple[TrainRun, ...] = calibrate.DEFAULT_RUNS
     gpu: KernelBenchConfig = field(default_factory=KernelBenchConfig)
@@ -49,6 +51,9 @@ class SuiteConfig:
 def quick() -> SuiteConfig:
     """Small sizes: every section's code path in a few minutes (smoke test, not numbers to publish)."""
     return SuiteConfig(attention=AttentionBenchConfig(repeats=1), attention_lengths=(1024, 2048),
+                       patterns=patterns.PatternBenchConfig(seq_len=2048, window=256, packed_len=4096, max_doc=1024,
+                                                            rows=2, repeats=1),
+                       agreement=agreement.AgreementBenchConfig(seq_len=1024, steps=1, repeats=3),
                        train=train_sections.QUICK, calibration_runs=calibrate.QUICK_RUNS,
                        gpu=KernelBenchConfig(lengths=(4096, 16384), ranks=(2, 4), repeats=2))
 
@@ -123,6 +128,9 @@ def run(cfg: SuiteConfig, log=print) -> dict:
         if name == "attention":
             res = attention.sweep(list(cfg.attention_lengths), cfg.attention, log)
             result["plots"].append(str(plots.attention(res, out)))
+            # the pattern rows (window, packed documents, sinks, soft-cap) and the batch agreement's cost
+            result["sections"]["attention_patterns"] = patterns.run(cfg.patterns)
+            result["sections"]["agreement"] = agreement.run(cfg.agreement)
         elif name == "train":
             res = [m.to_dict() for m in train_sections.throughput(cfg.train, measure)]
             result["plots"].append(str(plots.throughput(res, out)))
@@ -184,6 +192,11 @@ def to_markdown(result: dict) -> str:
     if "attention" in s:
         lines += ["", "#### Attention: CP efficiency, zigzag vs contiguous, ring vs all-gather", "",
                   attention.sweep_markdown(s["attention"])]
+    if "attention_patterns" in s:
+        lines += ["", "#### Attention patterns: sliding window, packed documents, sinks, soft-capping", "",
+                  patterns.to_markdown(s["attention_patterns"])]
+    if "agreement" in s:
+        lines += ["", "#### Batch content agreement", "", agreement.to_markdown(s["agreement"])]
     if "train" in s:
         rows = [_from_dict(r) for r in s["train"]]
         lines += ["", "#### Training step: cp=1 vs cp=2 at equal total cores", "",
