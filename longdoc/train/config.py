@@ -80,6 +80,7 @@ class DataConfig:
     task: str = "qa"  # for raw documents: "qa" (document + question -> answer, loss on answers) | "pretrain"
     text_field: str | None = None  # pretrain: the documents' text field; null picks text/document/content
     max_sequences: int | None = None  # use only the first N windows (quick runs)
+    questions_per_row: int | None = None  # qa: question/answer turns per row; null = all of a document's that fit
     shuffle: bool = True
     random_size: int = 64  # number of sequences when path == "random" (benchmarks, tests)
 
@@ -89,6 +90,8 @@ class DataConfig:
         _check(self.task in ("qa", "pretrain"), "data.task", f"must be 'qa' or 'pretrain', got {self.task!r}")
         _check(self.seq_len >= 2, "data.seq_len", f"must be at least 2 tokens, got {self.seq_len}")
         _check(self.max_sequences is None or self.max_sequences > 0, "data.max_sequences", "must be positive")
+        _check(self.questions_per_row is None or self.questions_per_row > 0, "data.questions_per_row",
+               f"must be positive, or null for all that fit, got {self.questions_per_row}")
         _check(self.random_size > 0, "data.random_size", "must be positive")
 
 

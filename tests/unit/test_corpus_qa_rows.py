@@ -124,3 +124,20 @@ def test_first_turn_is_the_evaluation_prompt(tok, tmp_path, chat):
 def test_qa_turns_needs_a_question(tok):
     with pytest.raises(ValueError, match="at least one"):
         qa_turns(tok, [])
+
+
+def test_training_prepares_a_pass_per_epoch_it_consumes(synth, tok):
+    from longdoc.train.config import DataConfig
+    from longdoc.train.data import load_sequences
+
+    path, records = synth
+    cfg = DataConfig(path=str(path), task="qa", seq_len=4800)
+    one = load_sequences(cfg, tok, len(tok), seed=0)
+    assert len(one) == len(records), "all of a document's questions in one row"
+    three = load_sequences(cfg, tok, len(tok), seed=0, rows_needed=5)  # 5 rows of 2 per pass: 3 passes
+    assert len(three) == 3 * len(records)
+    rows = [three.row(i) for i in range(len(three))]
+    assert len({tuple(ids.tolist()) for ids, _ in rows}) == len(rows), "each pass asks in another order"
+    answers = [int((y != IGNORE).sum()) for _, y in rows]
+    assert sorted(answers) == sorted(3 * [int((one.row(i)[1] != IGNORE).sum()) for i in range(len(one))]), \
+        "every pass trains the same answers"
