@@ -37,7 +37,8 @@ def _check(cond: bool, key: str, msg: str) -> None:
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
     name: str = "SmolLM2-135M-Instruct"  # longdoc.models.load name, local folder, hub id or "tiny:<arch>"
-    dtype: str = "float32"  # dtype the weights are kept in; bf16 compute on GPU is `train.mixed_precision`
+    dtype: str = "float32"  # dtype the weights are kept in (bfloat16 + LoRA: frozen bf16 base, fp32 adapters);
+    # bf16 compute over fp32 weights is `train.mixed_precision`
     rope_type: str | None = None  # "linear" | "yarn": extend the context beyond the pretrained length
     rope_factor: float = 1.0
     max_position_embeddings: int | None = None  # new context length; default original * rope_factor
@@ -125,7 +126,7 @@ class TrainConfig:
     steps: int = 10  # optimizer steps
     batch_size: int = 1  # sequences per optimizer step, over all data-parallel replicas
     micro_batch_size: int = 1  # sequences per forward pass per replica; accumulation makes up the rest
-    mixed_precision: str = "auto"  # "auto" (bf16 on GPU, none on CPU) | "no" | "bf16"
+    mixed_precision: str = "auto"  # "auto" (bf16 on GPUs and bf16-native CPUs, else none) | "no" | "bf16"
     activation_checkpointing: bool = True
     loss_chunk_tokens: int = 1024  # CE over this many tokens at a time: logits never exist in full
     fsdp: bool = False  # shard parameters/gradients/optimizer with FSDP2 (GPU, NCCL)
