@@ -157,13 +157,14 @@ def _groups(tokenizer: Any, doc: list[int], qas: list[dict], spans: list[list[tu
             target: int, sep_len: int, per_row: int | None, use_chat_template: bool | None) -> list[list[int]]:
     """Questions (indices, in `order`) grouped into rows: first fit, each group's turns and evidence within
     `target`. A question that does not fit even alone gets a group of its own (its row reports the error)."""
-    head, first = qa_turns(tokenizer, [(q["question"], q["answer"]) for q in qas[:1]], use_chat_template=use_chat_template)
+    chat = use_chat_template
+    head, _ = qa_turns(tokenizer, [(qas[0]["question"], qas[0]["answer"])], use_chat_template=chat)
     # Turn lengths as the first turn of a row (the evaluation prompt) and as a later turn: the chat template's
     # later user turns lack the instruction, so each question has two sizes.
     sizes = []
     for q in qas:
-        _, (t0,) = qa_turns(tokenizer, [(q["question"], q["answer"])], use_chat_template=use_chat_template)
-        _, (_, t1) = qa_turns(tokenizer, [("?", "-"), (q["question"], q["answer"])], use_chat_template=use_chat_template)
+        _, (t0,) = qa_turns(tokenizer, [(q["question"], q["answer"])], use_chat_template=chat)
+        _, (_, t1) = qa_turns(tokenizer, [("?", "-"), (q["question"], q["answer"])], use_chat_template=chat)
         sizes.append((len(t0.prompt) + len(t0.answer), len(t1.prompt) + len(t1.answer)))
 
     def fits(group: list[int]) -> bool:
@@ -189,7 +190,8 @@ def _groups(tokenizer: Any, doc: list[int], qas: list[dict], spans: list[list[tu
 
 def _qa(tokenizer: Any, doc: list[int], qas: list[dict], spans: list[tuple[int, int]], doc_id: str, source: str,
         target: int, sep: list[int], seed: int, epoch: int, use_chat_template: bool | None) -> dict[str, Any]:
-    prefix, turns = qa_turns(tokenizer, [(q["question"], q["answer"]) for q in qas], use_chat_template=use_chat_template)
+    prefix, turns = qa_turns(tokenizer, [(q["question"], q["answer"]) for q in qas],
+                             use_chat_template=use_chat_template)
     budget = target - len(prefix) - sum(len(t.prompt) + len(t.answer) for t in turns)
     ids = [q["qa_id"] for q in qas]
     # Epoch 0 keeps the window placement of one-question rows made before multi-question rows existed.

@@ -125,7 +125,7 @@ def _qa(a: dict, b: dict, names: tuple[str, str], out: Path) -> tuple[dict, list
                      for g in groups}
         if group is not None and paired:
             for g in groups:
-                data[key][g]["f1_paired"] = _paired(rows_a, rows_b, "f1", keep=lambda r, g=g: group(r) == g)
+                data[key][g]["f1_paired"] = _paired(rows_a, rows_b, "f1", keep=lambda r, g=g, by=group: by(r) == g)
         md += [f"### By {label}\n", report.table(
             [label, f"EM {names[0]}", f"EM {names[1]}", f"F1 {names[0]}", f"F1 {names[1]}", "F1 delta"]
             + ([f"{level}"] if group is not None and paired else []),

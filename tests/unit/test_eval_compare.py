@@ -49,8 +49,8 @@ def test_compare_reports_intervals_and_marks_noise(tmp_path, capsys):
     # tuned: clearly better on lookup, the same on count (one question better, one worse)
     tuned = [1.0 if k == "lookup" else f for f, k in zip(base, kinds)]
     tuned[1], tuned[3] = 0.5, 0.5
-    out = compare.write_comparison(_run(tmp_path, "base", _rows(base, kinds)), _run(tmp_path, "tuned", _rows(tuned, kinds)),
-                                   ("base", "tuned"), tmp_path / "cmp")
+    out = compare.write_comparison(_run(tmp_path, "base", _rows(base, kinds)),
+                                   _run(tmp_path, "tuned", _rows(tuned, kinds)), ("base", "tuned"), tmp_path / "cmp")
     res = report.load_results(out)
     f1 = res["qa"]["paired"]["f1"]
     assert f1["n"] == 40 and f1["delta"] == pytest.approx(np.mean(tuned) - np.mean(base))
