@@ -133,7 +133,9 @@ def _qa(a: dict, b: dict, names: tuple[str, str], out: Path) -> tuple[dict, list
              + ([_ci(d.get("f1_paired"))] if group is not None and paired else [])
              for g, d in data[key].items()]), ""]
     report.save_figure(plots.compare_qa_figure(sa, sb, names, "f1"), out / "compare_qa_f1.png")
-    md.append("![QA F1](compare_qa_f1.png)\n")
+    # The held-out answers' NLL per token (teacher forced, the training prompt): what the fine-tune optimized.
+    report.save_figure(plots.compare_qa_figure(sa, sb, names, "nll_per_token"), out / "compare_qa_nll.png")
+    md += ["![QA F1](compare_qa_f1.png)\n", "![held-out answer NLL per token](compare_qa_nll.png)\n"]
     return data, md
 
 

@@ -59,6 +59,7 @@ def test_compare_reports_intervals_and_marks_noise(tmp_path, capsys):
     by_kind = res["qa"]["by_kind"]
     assert not by_kind["lookup"]["f1_paired"]["noise"] and by_kind["lookup"]["f1_paired"]["n"] == 20
     assert by_kind["count"]["f1_paired"]["noise"] and by_kind["count"]["f1_paired"]["n"] == 20
+    assert (out / "compare_qa_nll.png").stat().st_size > 1000
     md = (out / report.SUMMARY).read_text()
     assert "paired bootstrap" in md and "within noise" in md
     lines = compare.console_summary(res)
