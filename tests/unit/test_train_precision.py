@@ -8,7 +8,8 @@ from longdoc.train.config import RecipeError, recipe_from_dict
 from longdoc.train.modeling import cpu_bf16_flags, resolve_mixed_precision
 from longdoc.train.world import check_layout
 
-_EPYC = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n\nprocessor\t: 1\nflags\t\t: fpu avx512_bf16\n"
+_EPYC = ("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n\n"
+         "processor\t: 1\nflags\t\t: fpu avx512_bf16\n")
 _SPR = "flags\t\t: fpu avx2 avx512f amx_bf16 amx_tile avx512_bf16\n"
 _OLD = "flags\t\t: fpu sse2 avx2 fma\n"
 _ARM = "Features\t: fp asimd bf16 i8mm\n"  # aarch64 bf16 is not the x86 native path measured here
