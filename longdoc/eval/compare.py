@@ -134,9 +134,21 @@ def _qa(a: dict, b: dict, names: tuple[str, str], out: Path) -> tuple[dict, list
              for g, d in data[key].items()]), ""]
     report.save_figure(plots.compare_qa_figure(sa, sb, names, "f1"), out / "compare_qa_f1.png")
     # The held-out answers' NLL per token (teacher forced, the training prompt): what the fine-tune optimized.
-    report.save_figure(plots.compare_qa_figure(sa, sb, names, "nll_per_token"), out / "compare_qa_nll.png")
+    report.save_figure(_nll_figure(sa, sb, names), out / "compare_qa_nll.png")
     md += ["![QA F1](compare_qa_f1.png)\n", "![held-out answer NLL per token](compare_qa_nll.png)\n"]
     return data, md
+
+
+def _nll_figure(sa: dict, sb: dict, names: tuple[str, str]):
+    # The QA figure's axes are scaled for scores in [0, 1]; an NLL in nats needs its own scale.
+    fig = plots.compare_qa_figure(sa, sb, names, "nll_per_token")
+    for ax in fig.axes:
+        heights = [p.get_height() for p in ax.patches if math.isfinite(p.get_height())]
+        ax.set_ylim(0, 1.15 * max(heights, default=1.0) or 1.0)
+        ax.set_ylabel("NLL per answer token (nats)")
+    fig.suptitle(f"Held-out answer NLL per token (teacher forced, lower is better): {names[0]} vs {names[1]}",
+                 fontsize=11)
+    return fig
 
 
 def console_summary(results: dict[str, Any]) -> list[str]:
