@@ -16,7 +16,7 @@ from peft import LoraConfig
 from trl import SFTConfig, SFTTrainer
 
 from longdoc import models
-from longdoc.corpus.synth import generate
+from longdoc.corpus.synth import synthesize
 from longdoc.hf import CPTrainerMixin
 
 
@@ -26,7 +26,7 @@ class CPSFTTrainer(CPTrainerMixin, SFTTrainer):
 
 def qa_rows(n: int, tokens: int, seed: int) -> Dataset:
     rows = []
-    for r in generate("legal", num_docs=n, tokens=tokens, seed=seed):
+    for r in synthesize("legal", num_docs=n, tokens=tokens, seed=seed):
         for qa in r["qa"][:2]:
             rows.append({"prompt": f"{r['document']}\n\nQuestion: {qa['question']}\nAnswer:",
                          "completion": f" {qa['answer']}"})

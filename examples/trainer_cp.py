@@ -18,12 +18,12 @@ from peft import LoraConfig, get_peft_model
 from transformers import DataCollatorForLanguageModeling, TrainingArguments
 
 from longdoc import models
-from longdoc.corpus.synth import generate
+from longdoc.corpus.synth import synthesize
 from longdoc.hf import CPTrainer
 
 
 def documents(tokenizer, n: int, tokens: int, seed: int) -> list[dict]:
-    docs = [r["document"] for r in generate("legal", num_docs=n, tokens=tokens, seed=seed)]
+    docs = [r["document"] for r in synthesize("legal", num_docs=n, tokens=tokens, seed=seed)]
     return [{"input_ids": tokenizer(d, truncation=True, max_length=tokens)["input_ids"]} for d in docs]
 
 

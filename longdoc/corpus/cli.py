@@ -2,6 +2,7 @@
 
     longdoc data synth --domain legal --num-docs 4 --tokens 32768 --seed 0 --out legal.jsonl
     longdoc data prepare legal.jsonl --task qa --target-tokens 32768 --out runs/data/legal-qa
+    longdoc data prepare legal.jsonl --task qa --target-tokens 4096 --questions-per-row 4 --epochs 3 --out qa.jsonl
     longdoc data prepare notes/ --task pretrain --target-tokens 65536 --skip-bad --out notes.parquet
 
 Heavy imports (tokenizers, datasets) happen inside the handlers so `longdoc --help` stays fast.
@@ -59,7 +60,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "instead of stopping at the first")
     q.add_argument("--num-proc", type=int, default=1, help="tokenizer worker processes (datasets.map)")
     q.add_argument("--cache-dir", default=None, help="cache folder (default: the datasets cache)")
-    q.add_argument("--seed", type=int, default=0, help="placement of QA windows")
+    q.add_argument("--seed", type=int, default=0, help="question order and placement of QA windows")
+    q.add_argument("--questions-per-row", type=int, default=None, help="qa: at most this many questions "
+                   "(turns) per row (default: all of a document's questions that fit in --target-tokens)")
+    q.add_argument("--epochs", type=int, default=1, help="qa: passes over the documents to write, each with "
+                   "its own question order and windows (default 1)")
     q.set_defaults(func=_prepare)
 
 
@@ -93,7 +98,8 @@ def _prepare(args: argparse.Namespace) -> int:
         ds = prepare(args.inputs, args.tokenizer, task=args.task, target_tokens=args.target_tokens,
                      overlap=args.overlap, pack=args.pack, fields=fields, skips=skips, num_proc=args.num_proc,
                      cache_dir=args.cache_dir, split=args.split, seed=args.seed,
-                     use_chat_template=False if args.no_chat_template else None)
+                     use_chat_template=False if args.no_chat_template else None,
+                     questions_per_row=args.questions_per_row, epochs=args.epochs)
     except (CorpusError, ValueError) as e:
         print(f"longdoc data prepare: {e}", file=sys.stderr)
         return 2

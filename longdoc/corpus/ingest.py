@@ -81,7 +81,7 @@ def read_documents(inputs: list[str | Path | dict], task: str = "pretrain", fiel
                    skips: Skips | None = None, split: str = "train", keep: tuple[str, ...] = ()
                    ) -> Iterator[dict[str, Any]]:
     """Validated, normalized records from every input, in order. An input is a path, a hub dataset id,
-    or a record (dict) itself, e.g. one made by `longdoc.corpus.synth.generate`. Fields named in `keep`
+    or a record (dict) itself, e.g. one made by `longdoc.corpus.synth.synthesize`. Fields named in `keep`
     (e.g. domain, aliases, depth) are copied as they are onto the record and onto each QA pair that has them."""
     if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")

@@ -5,7 +5,7 @@
 
     from longdoc.corpus.prepare import prepare
     ds = prepare(["cases.jsonl"], task="qa", target_tokens=32768)          # default tokenizer
-    ds = prepare(generate("legal", 4, 32768), task="pretrain")             # records work as inputs too
+    ds = prepare(synthesize("legal", 4, 32768), task="pretrain")             # records work as inputs too
 
 Rows (columns): input_ids, labels (NOT shifted; -100 = no loss), position_ids (restart per document
 segment), cu_seqlens (segment boundaries), doc_ids, sources ("file:line"), token_starts (where each
@@ -16,9 +16,14 @@ doc_pieces (the document token ranges shown). See data/README.md for the details
   overlapping by `overlap` (default target/8), each token scored once. Packing short documents into
   one row (`pack=True`) is OFF by default: until a document-masking attention exists, packed
   documents attend to each other. Rows record the boundaries so that attention can use them later.
-- qa: one row per question: prompt (chat template when the tokenizer has one) + document + question
-  -> answer, loss on the answer tokens only; a document that does not fit is cut to a window that
-  keeps every evidence span (pieces joined by " [...] " when the spans lie far apart).
+- qa: prompt (chat template when the tokenizer has one) + document + several question -> answer
+  turns, loss on every answer's tokens only. `questions_per_row` (default None: all that fit) caps the
+  questions of a row; a document whose questions do not all fit gives several rows. A document that
+  does not fit is cut to a window that keeps every included question's evidence span (pieces joined by
+  " [...] " when the spans lie far apart). The question order is shuffled per (seed, epoch, document):
+  `epochs=E` writes E passes over every document, each with its own order and windows (the trainer
+  asks for as many passes as its steps consume, see `longdoc.train.data.load_sequences`). The first
+  turn of a row is exactly the evaluation prompt of its question (`qa_format.qa_turns`).
 Tokenization runs in `datasets.map` with `num_proc` workers; results are cached under `cache_dir`
 keyed by the inputs' content, the tokenizer and every option, so a rerun loads from the cache.
 """
@@ -33,11 +38,11 @@ from typing import Any
 
 from longdoc.corpus import tokens as tk
 from longdoc.corpus.ingest import CorpusError, Fields, Skips, read_documents
-from longdoc.corpus.qa_format import INSTRUCTION, qa_parts
-from longdoc.corpus.windows import evidence_pieces, pack_rows, pretrain_rows, qa_row, segment_row
+from longdoc.corpus.qa_format import INSTRUCTION, qa_turns
+from longdoc.corpus.windows import evidence_pieces, pack_rows, pretrain_rows, qa_turns_row, segment_row
 
 MAX_TARGET = 1 << 20
-_CACHE_VERSION = 2
+_CACHE_VERSION = 3
 _SEP = " [...] "
 
 
@@ -45,7 +50,8 @@ def prepare(inputs: str | Path | list, tokenizer: Any = None, *, task: str = "pr
             target_tokens: int = 32768, overlap: int | None = None, pack: bool = False,
             fields: Fields | None = None, skips: Skips | None = None, num_proc: int = 1,
             cache_dir: str | Path | None = None, split: str = "train", seed: int = 0, add_eos: bool = True,
-            use_chat_template: bool | None = None, batch_size: int = 64):
+            use_chat_template: bool | None = None, batch_size: int = 64, questions_per_row: int | None = None,
+            epochs: int = 1):
     """Tokenized rows for `task` ("pretrain" | "qa"); bad input raises `CorpusError` unless `skips` is
     given, which then counts what was left out (see `Skips.summary`)."""
     import datasets
@@ -56,14 +62,19 @@ def prepare(inputs: str | Path | list, tokenizer: Any = None, *, task: str = "pr
     if not 0 <= overlap < target_tokens:
         raise ValueError(f"overlap must be in [0, target_tokens) = [0, {target_tokens}), got {overlap}")
     if pack and task != "pretrain":
-        raise ValueError("pack=True is for task='pretrain' (QA rows are one question each)")
+        raise ValueError("pack=True is for task='pretrain' (a QA row already holds one document's questions)")
+    if questions_per_row is not None and questions_per_row < 1:
+        raise ValueError(f"questions_per_row must be >= 1 (or None: all that fit), got {questions_per_row}")
+    if epochs < 1:
+        raise ValueError(f"epochs must be >= 1, got {epochs}")
     tok = tk.get_tokenizer(tokenizer)
     inputs = inputs if isinstance(inputs, list) else [inputs]
     records = list(read_documents(inputs, task, fields or Fields(), skips, split))
     if not records:
         raise CorpusError(str(inputs)[:200], "no usable documents" + (f" ({skips.summary()})" if skips else ""))
     options = {"task": task, "target": target_tokens, "overlap": overlap, "pack": pack, "add_eos": add_eos,
-               "seed": seed, "use_chat_template": use_chat_template}
+               "seed": seed, "use_chat_template": use_chat_template, "questions_per_row": questions_per_row,
+               "epochs": epochs}
     cache = Path(cache_dir) if cache_dir else Path(datasets.config.HF_DATASETS_CACHE) / "longdoc"
     cache.mkdir(parents=True, exist_ok=True)
     fingerprint = _fingerprint(records, tok, options)[:40]  # datasets appends shard suffixes; <= 64 chars
@@ -110,7 +121,8 @@ def _fingerprint(records: list[dict], tok: Any, options: dict) -> str:
 
 
 def _rows(batch: dict[str, list], tokenizer: Any, task: str, target: int, overlap: int, pack: bool,
-          add_eos: bool, seed: int, use_chat_template: bool | None) -> dict[str, list]:
+          add_eos: bool, seed: int, use_chat_template: bool | None, questions_per_row: int | None,
+          epochs: int) -> dict[str, list]:
     rows: list[dict[str, Any]] = []
     if task == "pretrain":
         eos = tokenizer.eos_token_id if add_eos else None
@@ -125,8 +137,15 @@ def _rows(batch: dict[str, list], tokenizer: Any, task: str, target: int, overla
         for doc, offsets, doc_id, source, qas in zip(enc["input_ids"], enc["offset_mapping"], batch["doc_id"],
                                                      batch["source"], batch["qas"]):
             ends = tk.token_ends(offsets)
-            for qa in qas:
-                rows.append(_qa(tokenizer, doc, ends, qa, doc_id, source, target, sep, seed, use_chat_template))
+            spans = [[(tk.char_to_token(ends, a), tk.char_to_token(ends, b - 1) + 1) for a, b in qa["spans"]]
+                     for qa in qas]
+            for epoch in range(epochs):
+                order = list(range(len(qas)))
+                random.Random(f"{seed}:{epoch}:{doc_id}").shuffle(order)
+                for group in _groups(tokenizer, doc, qas, spans, order, target, len(sep), questions_per_row,
+                                     use_chat_template):
+                    rows.append(_qa(tokenizer, doc, [qas[i] for i in group], [s for i in group for s in spans[i]],
+                                    doc_id, source, target, sep, seed, epoch, use_chat_template))
     for row in rows:
         row.setdefault("error", "")
         row["num_tokens"] = len(row["input_ids"])
@@ -134,18 +153,57 @@ def _rows(batch: dict[str, list], tokenizer: Any, task: str, target: int, overla
     return {key: [row[key] for row in rows] for key in (rows[0] if rows else {"error": None})}
 
 
-def _qa(tokenizer: Any, doc: list[int], ends: list[int], qa: dict, doc_id: str, source: str, target: int,
-        sep: list[int], seed: int, use_chat_template: bool | None) -> dict[str, Any]:
-    parts = qa_parts(tokenizer, qa["question"], qa["answer"], use_chat_template=use_chat_template)
-    spans = [(tk.char_to_token(ends, a), tk.char_to_token(ends, b - 1) + 1) for a, b in qa["spans"]]
-    budget = target - len(parts.prefix) - len(parts.suffix) - len(parts.answer)
+def _groups(tokenizer: Any, doc: list[int], qas: list[dict], spans: list[list[tuple[int, int]]], order: list[int],
+            target: int, sep_len: int, per_row: int | None, use_chat_template: bool | None) -> list[list[int]]:
+    """Questions (indices, in `order`) grouped into rows: first fit, each group's turns and evidence within
+    `target`. A question that does not fit even alone gets a group of its own (its row reports the error)."""
+    chat = use_chat_template
+    head, _ = qa_turns(tokenizer, [(qas[0]["question"], qas[0]["answer"])], use_chat_template=chat)
+    # Turn lengths as the first turn of a row (the evaluation prompt) and as a later turn: the chat template's
+    # later user turns lack the instruction, so each question has two sizes.
+    sizes = []
+    for q in qas:
+        _, (t0,) = qa_turns(tokenizer, [(q["question"], q["answer"])], use_chat_template=chat)
+        _, (_, t1) = qa_turns(tokenizer, [("?", "-"), (q["question"], q["answer"])], use_chat_template=chat)
+        sizes.append((len(t0.prompt) + len(t0.answer), len(t1.prompt) + len(t1.answer)))
+
+    def fits(group: list[int]) -> bool:
+        budget = target - len(head) - sizes[group[0]][0] - sum(sizes[i][1] for i in group[1:])
+        try:
+            evidence_pieces(len(doc), budget, [s for i in group for s in spans[i]], random.Random(0), sep_len)
+        except ValueError:
+            return False
+        return True
+
+    groups, left = [], list(order)
+    while left:
+        group = [left[0]]
+        for i in left[1:] if fits(group) else []:
+            if per_row is not None and len(group) >= per_row:
+                break
+            if fits(group + [i]):
+                group.append(i)
+        groups.append(group)
+        left = [i for i in left if i not in group]
+    return groups
+
+
+def _qa(tokenizer: Any, doc: list[int], qas: list[dict], spans: list[tuple[int, int]], doc_id: str, source: str,
+        target: int, sep: list[int], seed: int, epoch: int, use_chat_template: bool | None) -> dict[str, Any]:
+    prefix, turns = qa_turns(tokenizer, [(q["question"], q["answer"]) for q in qas],
+                             use_chat_template=use_chat_template)
+    budget = target - len(prefix) - sum(len(t.prompt) + len(t.answer) for t in turns)
+    ids = [q["qa_id"] for q in qas]
+    # Epoch 0 keeps the window placement of one-question rows made before multi-question rows existed.
+    rng = random.Random(f"{seed}:{ids[0]}" if epoch == 0 else f"{seed}:{epoch}:{ids[0]}")
+    meta = {"qa_id": ids[0], "kind": qas[0]["kind"], "qa_ids": ids, "kinds": [q["kind"] for q in qas], "epoch": epoch}
     try:
-        pieces = evidence_pieces(len(doc), budget, spans, random.Random(f"{seed}:{qa['qa_id']}"), len(sep))
+        pieces = evidence_pieces(len(doc), budget, spans, rng, len(sep))
     except ValueError as e:
         return {"input_ids": [], "labels": [], "position_ids": [], "cu_seqlens": [0, 0], "doc_ids": [doc_id],
-                "sources": [source], "token_starts": [0], "qa_id": qa["qa_id"], "kind": qa["kind"],
-                "doc_pieces": [], "error": f"{source}: question {qa['qa_id']}: {e}"}
-    ids, labels = qa_row(parts.prefix, doc, pieces, sep, parts.suffix, parts.answer)
-    row = segment_row(ids, labels, doc_id, source, pieces[0][0])
-    row.update(qa_id=qa["qa_id"], kind=qa["kind"], doc_pieces=[list(p) for p in pieces])
+                "sources": [source], "token_starts": [0], "doc_pieces": [], **meta,
+                "error": f"{source}: question {ids[0]}: {e}"}
+    row_ids, labels = qa_turns_row(prefix, doc, pieces, sep, [(t.prompt, t.answer) for t in turns])
+    row = segment_row(row_ids, labels, doc_id, source, pieces[0][0])
+    row.update(doc_pieces=[list(p) for p in pieces], **meta)
     return row

@@ -116,3 +116,17 @@ def qa_row(prefix: list[int], doc: list[int], pieces: list[tuple[int, int]], sep
         body += (sep if i else []) + doc[a:b]
     prompt = prefix + body + suffix
     return prompt + answer, [IGNORE] * len(prompt) + answer
+
+
+def qa_turns_row(prefix: list[int], doc: list[int], pieces: list[tuple[int, int]], sep: list[int],
+                 turns: list[tuple[list[int], list[int]]]) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) of prompt + document pieces + (question, answer) turns; loss on every answer."""
+    body: list[int] = []
+    for i, (a, b) in enumerate(pieces):
+        body += (sep if i else []) + doc[a:b]
+    ids = prefix + body
+    labels = [IGNORE] * len(ids)
+    for prompt, answer in turns:
+        ids += prompt + answer
+        labels += [IGNORE] * len(prompt) + answer
+    return ids, labels

@@ -9,11 +9,18 @@ command writes them), or a model to evaluate now with --tasks (default qa, needl
 writes runs/eval/demo-compare/{base,tuned}/<task>/ (each a normal run folder) and, at the top,
 results.json, summary.md and compare_*.png for the tasks both sides have. Loss by position runs over
 the --data documents unless --pl-data (or --length, to generate documents) says otherwise.
+
+QA differences come with a paired bootstrap confidence interval: both sides answered the same questions,
+so the per-question differences are resampled (questions drawn with replacement) and the 2.5th and
+97.5th percentiles of their mean bound the difference. A difference whose interval holds 0 is marked
+"within noise": the questions asked cannot tell the two models apart on that metric.
 """
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +28,46 @@ from longdoc.eval import plots, report, tasks
 
 _QA_METRICS = [("em", "EM"), ("f1", "F1"), ("contains", "contains"), ("nll_per_token", "NLL/token"),
                ("tf_em", "TF-EM")]
+BOOTSTRAP_SAMPLES = 10_000
+CI_LEVEL = 0.95
+
+
+def paired_bootstrap(a: Sequence[float], b: Sequence[float], samples: int = BOOTSTRAP_SAMPLES, level: float = CI_LEVEL,
+                     seed: int = 0) -> dict[str, Any]:
+    """Mean of b[i] - a[i] and its percentile bootstrap interval over the paired items (fixed seed: the same
+    runs always give the same interval). `noise`: the interval holds 0."""
+    import numpy as np
+
+    if len(a) != len(b):
+        raise ValueError(f"paired_bootstrap: {len(a)} values against {len(b)}; pair the same items on both sides")
+    d = np.asarray(b, dtype=np.float64) - np.asarray(a, dtype=np.float64)
+    if d.size == 0:
+        return {"n": 0, "delta": None, "low": None, "high": None, "level": level, "noise": None}
+    means = d[np.random.default_rng(seed).integers(0, d.size, size=(samples, d.size))].mean(axis=1)
+    low, high = (float(x) for x in np.quantile(means, [(1 - level) / 2, (1 + level) / 2]))
+    return {"n": int(d.size), "delta": float(d.mean()), "low": low, "high": high, "level": level,
+            "noise": bool(low <= 0.0 <= high)}
+
+
+def _paired(rows_a: list[dict], rows_b: list[dict], metric: str, keep=lambda r: True) -> dict[str, Any]:
+    """paired_bootstrap of `metric` over the questions both sides answered (matched by document and id)."""
+    def key(r: dict, i: int) -> tuple:
+        return (r.get("doc_id"), r.get("qa_id") if r.get("qa_id") is not None else i)
+
+    b = {key(r, i): r for i, r in enumerate(rows_b)}
+    pairs = [(r[metric], b[k][metric]) for i, r in enumerate(rows_a) if keep(r)
+             for k in [key(r, i)] if k in b and _finite(r.get(metric)) and _finite(b[k].get(metric))]
+    return paired_bootstrap([x for x, _ in pairs], [y for _, y in pairs])
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _ci(p: dict[str, Any] | None) -> str:
+    if not p or p.get("low") is None:
+        return "-"
+    return f"[{p['low']:+.3f}, {p['high']:+.3f}]" + (" within noise" if p["noise"] else "")
 
 
 def find_runs(path: str | Path) -> dict[str, Path] | None:
@@ -58,22 +105,67 @@ def _wanted(cfg: dict[str, Any]) -> list[str]:
 
 def _qa(a: dict, b: dict, names: tuple[str, str], out: Path) -> tuple[dict, list[str]]:
     sa, sb = a["summary"], b["summary"]
+    rows_a, rows_b = a.get("rows") or [], b.get("rows") or []
     overall = {k: {"a": sa["overall"].get(k), "b": sb["overall"].get(k)} for k, _ in _QA_METRICS}
-    rows = [[label, overall[k]["a"], overall[k]["b"], _delta(overall[k]["a"], overall[k]["b"])]
+    paired = {k: _paired(rows_a, rows_b, k) for k, _ in _QA_METRICS} if rows_a and rows_b else {}
+    level = f"{CI_LEVEL:.0%} CI"
+    rows = [[label, overall[k]["a"], overall[k]["b"], _delta(overall[k]["a"], overall[k]["b"]), _ci(paired.get(k))]
             for k, label in _QA_METRICS]
-    md = ["## Document QA\n", report.table(["metric", *names, "delta"], rows), ""]
-    data: dict[str, Any] = {"overall": overall}
-    for key, label in (("by_kind", "question kind"), ("by_length", "document length"), ("by_depth", "evidence depth")):
+    md = ["## Document QA\n", report.table(["metric", *names, "delta", f"{level} of the delta (paired bootstrap)"],
+                                           rows), ""]
+    if paired:
+        n = paired["f1"]["n"]
+        md += [f"{n} questions answered by both; {level}: {BOOTSTRAP_SAMPLES} resamples of the questions; "
+               f"\"within noise\": the interval holds 0.", ""]
+    data: dict[str, Any] = {"overall": overall, "paired": paired}
+    for key, label, group in (("by_kind", "question kind", lambda r: r.get("kind")),
+                              ("by_length", "document length", None), ("by_depth", "evidence depth", None)):
         groups = list(dict.fromkeys([*sa[key], *sb[key]]))
         data[key] = {g: {m: {"a": sa[key].get(g, {}).get(m), "b": sb[key].get(g, {}).get(m)} for m in ("em", "f1")}
                      for g in groups}
+        if group is not None and paired:
+            for g in groups:
+                data[key][g]["f1_paired"] = _paired(rows_a, rows_b, "f1", keep=lambda r, g=g, by=group: by(r) == g)
         md += [f"### By {label}\n", report.table(
-            [label, f"EM {names[0]}", f"EM {names[1]}", f"F1 {names[0]}", f"F1 {names[1]}", "F1 delta"],
+            [label, f"EM {names[0]}", f"EM {names[1]}", f"F1 {names[0]}", f"F1 {names[1]}", "F1 delta"]
+            + ([f"{level}"] if group is not None and paired else []),
             [[g, d["em"]["a"], d["em"]["b"], d["f1"]["a"], d["f1"]["b"], _delta(d["f1"]["a"], d["f1"]["b"])]
+             + ([_ci(d.get("f1_paired"))] if group is not None and paired else [])
              for g, d in data[key].items()]), ""]
     report.save_figure(plots.compare_qa_figure(sa, sb, names, "f1"), out / "compare_qa_f1.png")
-    md.append("![QA F1](compare_qa_f1.png)\n")
+    # The held-out answers' NLL per token (teacher forced, the training prompt): what the fine-tune optimized.
+    report.save_figure(_nll_figure(sa, sb, names), out / "compare_qa_nll.png")
+    md += ["![QA F1](compare_qa_f1.png)\n", "![held-out answer NLL per token](compare_qa_nll.png)\n"]
     return data, md
+
+
+def _nll_figure(sa: dict, sb: dict, names: tuple[str, str]):
+    # The QA figure's axes are scaled for scores in [0, 1]; an NLL in nats needs its own scale.
+    fig = plots.compare_qa_figure(sa, sb, names, "nll_per_token")
+    for ax in fig.axes:
+        heights = [p.get_height() for p in ax.patches if math.isfinite(p.get_height())]
+        ax.set_ylim(0, 1.15 * max(heights, default=1.0) or 1.0)
+        ax.set_ylabel("NLL per answer token (nats)")
+    fig.suptitle(f"Held-out answer NLL per token (teacher forced, lower is better): {names[0]} vs {names[1]}",
+                 fontsize=11)
+    return fig
+
+
+def console_summary(results: dict[str, Any]) -> list[str]:
+    """The lines `longdoc eval compare` prints: each QA metric of both sides, its delta and the interval."""
+    qa = results.get("qa")
+    if not qa:
+        return []
+    a, b = results["names"]
+    lines = []
+    for k, label in _QA_METRICS:
+        va, vb, p = qa["overall"][k]["a"], qa["overall"][k]["b"], qa.get("paired", {}).get(k)
+        if va is None or vb is None:
+            continue
+        ci = (f", {p['level']:.0%} paired bootstrap CI [{p['low']:+.3f}, {p['high']:+.3f}] over {p['n']} questions"
+              + (" - within noise" if p["noise"] else "") if p and p.get("low") is not None else "")
+        lines.append(f"qa {label}: {a} {va:.3f}, {b} {vb:.3f}, delta {vb - va:+.3f}{ci}")
+    return lines
 
 
 def _needle(a: dict, b: dict, names: tuple[str, str], out: Path) -> tuple[dict, list[str]]:
@@ -147,4 +239,7 @@ def main(cfg: dict[str, Any]) -> Path | None:
 
     if not launched_world().is_main:  # under a launcher only rank 0 writes the comparison
         return None
-    return write_comparison(sides[0], sides[1], names, out)
+    written = write_comparison(sides[0], sides[1], names, out)
+    for line in console_summary(report.load_results(written)):
+        print(line, flush=True)
+    return written

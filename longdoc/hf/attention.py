@@ -291,6 +291,12 @@ def cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
     problem = _problem(handle, module, query, key, attention_mask, dropout, is_causal, kwargs)
     if problem is not None:
         raise refuse(handle.model_name, *problem)
+
+    if torch.is_autocast_enabled(query.device.type):
+        # Under autocast SDPA (which this replaces) runs in the autocast dtype; RoPE leaves q and k in fp32
+        # while v comes out of its projection in bf16.
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5  # before any zero-padding of the head dims
     v_dim = value.shape[-1]

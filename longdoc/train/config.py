@@ -46,7 +46,8 @@ def _check(cond: bool, key: str, msg: str) -> None:
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
     name: str = "SmolLM2-135M-Instruct"  # longdoc.models.load name, local folder, hub id or "tiny:<arch>"
-    dtype: Dtype = "float32"  # dtype the weights are kept in; bf16 compute on GPU is `train.mixed_precision`
+    dtype: Dtype = "float32"  # dtype the weights are kept in (bfloat16 + LoRA: frozen bf16 base, fp32 adapters);
+    # bf16 compute over fp32 weights is `train.mixed_precision`
     rope_type: str | None = None  # "linear" | "yarn": extend the context beyond the pretrained length
     rope_factor: float = 1.0
     max_position_embeddings: int | None = None  # new context length; default original * rope_factor
@@ -89,6 +90,7 @@ class DataConfig:
     task: Task = "qa"  # for raw documents: "qa" (document + question -> answer, loss on answers) | "pretrain"
     text_field: str | None = None  # pretrain: the documents' text field; null picks text/document/content
     max_sequences: int | None = None  # use only the first N windows (quick runs)
+    questions_per_row: int | None = None  # qa: question/answer turns per row; null = all of a document's that fit
     shuffle: bool = True
     random_size: int = 64  # number of sequences when path == "random" (benchmarks, tests)
 
@@ -98,6 +100,8 @@ class DataConfig:
         _check(self.task in typing.get_args(Task), "data.task", f"must be 'qa' or 'pretrain', got {self.task!r}")
         _check(self.seq_len >= 2, "data.seq_len", f"must be at least 2 tokens, got {self.seq_len}")
         _check(self.max_sequences is None or self.max_sequences > 0, "data.max_sequences", "must be positive")
+        _check(self.questions_per_row is None or self.questions_per_row > 0, "data.questions_per_row",
+               f"must be positive, or null for all that fit, got {self.questions_per_row}")
         _check(self.random_size > 0, "data.random_size", "must be positive")
 
 
@@ -131,7 +135,7 @@ class TrainConfig:
     steps: int = 10  # optimizer steps
     batch_size: int = 1  # sequences per optimizer step, over all data-parallel replicas
     micro_batch_size: int = 1  # sequences per forward pass per replica; accumulation makes up the rest
-    mixed_precision: str = "auto"  # "auto" (bf16 on GPU, none on CPU) | "no" | "bf16"
+    mixed_precision: str = "auto"  # "auto" (bf16 on GPUs and bf16-native CPUs, else none) | "no" | "bf16"
     activation_checkpointing: bool = True
     loss_chunk_tokens: int = 1024  # CE over this many tokens at a time: logits never exist in full
     fsdp: bool = False  # shard parameters/gradients/optimizer with FSDP2 (GPU, NCCL)

@@ -107,10 +107,14 @@ def _load_tokenized(path: Path, seq_len: int):
     return ds
 
 
-def load_sequences(cfg: DataConfig, tokenizer, vocab_size: int, seed: int, main_first=None) -> Sequences:
+def load_sequences(cfg: DataConfig, tokenizer, vocab_size: int, seed: int, main_first=None,
+                   rows_needed: int | None = None) -> Sequences:
     """Rows from `cfg.path`: "random"; tokenized rows (`longdoc data prepare` output: a dataset folder,
     parquet or jsonl with input_ids); or raw documents, tokenized here by `longdoc.corpus.prepare`, which
-    caches by content (`main_first`: a context manager letting one rank fill the cache first)."""
+    caches by content (`main_first`: a context manager letting one rank fill the cache first).
+
+    `rows_needed` (steps x batch size): for QA from raw documents, prepare as many passes over the
+    documents as the run consumes, each pass with its own question order (up to `MAX_QA_EPOCHS`)."""
     if cfg.path == "random":
         seqs = random_sequences(cfg.random_size, cfg.seq_len, vocab_size, seed)
     else:
@@ -123,7 +127,7 @@ def load_sequences(cfg: DataConfig, tokenizer, vocab_size: int, seed: int, main_
                               f"--domain legal --out {path}` or point data.path at your documents")
         else:
             with main_first() if main_first is not None else contextlib.nullcontext():
-                seqs = Sequences(_prepare(cfg, tokenizer, seed), f"{path} ({cfg.task})")
+                seqs = Sequences(_prepare(cfg, tokenizer, seed, rows_needed), f"{path} ({cfg.task})")
     if cfg.max_sequences is not None and cfg.max_sequences < len(seqs):
         seqs = Sequences(seqs.ds.select(range(cfg.max_sequences)), seqs.source)
     keep = [i for i in range(len(seqs)) if bool((seqs.row(i)[1][1:] != IGNORE).any())]
@@ -143,13 +147,24 @@ def load_sequences(cfg: DataConfig, tokenizer, vocab_size: int, seed: int, main_
     return seqs
 
 
-def _prepare(cfg: DataConfig, tokenizer, seed: int):
+# Past this many passes the schedule cycles through the prepared ones (a long run on a tiny corpus would
+# otherwise tokenize thousands of copies of it).
+MAX_QA_EPOCHS = 64
+
+
+def _prepare(cfg: DataConfig, tokenizer, seed: int, rows_needed: int | None = None):
     from longdoc.corpus.ingest import CorpusError, Fields
     from longdoc.corpus.prepare import prepare
 
-    try:
+    def run(epochs: int):
         return prepare(cfg.path, tokenizer, task=cfg.task, target_tokens=cfg.seq_len, seed=seed,
-                       fields=Fields(text=cfg.text_field))
+                       fields=Fields(text=cfg.text_field), questions_per_row=cfg.questions_per_row, epochs=epochs)
+
+    try:
+        ds = run(1)
+        if cfg.task == "qa" and rows_needed and rows_needed > len(ds):
+            ds = run(min(MAX_QA_EPOCHS, -(-rows_needed // len(ds))))
+        return ds
     except (CorpusError, ValueError) as e:
         raise RecipeError(f"data: {e}") from e
 

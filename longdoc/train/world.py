@@ -24,6 +24,7 @@ import torch.distributed as dist
 from longdoc.launch import launched_world
 from longdoc.train.config import Recipe, RecipeError
 from longdoc.train.metrics import return_freed_memory
+from longdoc.train.modeling import resolve_mixed_precision
 
 CPU_LAUNCH = ("accelerate launch --config_file recipes/accelerate/cpu-2proc.yaml -m longdoc train RECIPE "
               "(or: accelerate launch --multi_gpu --num_processes N -m longdoc train RECIPE)")
@@ -75,9 +76,6 @@ def check_launch(recipe: Recipe, world_size: int, cuda: bool) -> tuple[int, int]
     if t.fsdp and not cuda:
         raise RecipeError("train.fsdp=true needs CUDA GPUs (FSDP2 reduce-scatters, which gloo lacks); "
                           "set train.fsdp=false on CPU")
-    if t.mixed_precision == "bf16" and not cuda:
-        raise RecipeError("train.mixed_precision=bf16 is for GPUs (CPU bf16 autocast is slower than fp32 "
-                          "here); use train.mixed_precision=auto or no")
     return dp, cp
 
 
@@ -108,8 +106,7 @@ def start(recipe: Recipe, log_with: list | None = None, wrap_classes: list[str] 
         return_freed_memory()  # first, so the model load and every step run under it
     expected = launched_world().world_size
     dp, cp = check_launch(recipe, expected, cuda)  # before joining anything: same error on every rank
-    mixed = recipe.train.mixed_precision
-    mixed = ("bf16" if cuda else "no") if mixed == "auto" else mixed
+    mixed = resolve_mixed_precision(recipe.train.mixed_precision, cuda)
     timeout = datetime.timedelta(seconds=recipe.train.comm_timeout)
     accelerator = Accelerator(
         cpu=not cuda,  # without it a CUDA-less multi-process launch leaves the ranks unjoined

@@ -7,24 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.training import accelerate_env, ranks, tiny_recipe
-
-
-def train_on_ranks(rank: int, world_size: int, recipe: dict, overrides: list[str]):
-    accelerate_env(rank, world_size)
-    from longdoc.train import recipe_from_dict
-    from longdoc.train.loop import train
-
-    grads: list[list] = []  # numpy copies: tensors would go back through shared memory of a dead process
-    step = torch.optim.AdamW.step
-
-    def recording_step(self, *args, **kwargs):  # the reduced gradients the optimizer is about to apply
-        grads.append([p.grad.detach().numpy().copy() for g in self.param_groups for p in g["params"]])
-        return step(self, *args, **kwargs)
-
-    torch.optim.AdamW.step = recording_step
-    result = train(recipe_from_dict(recipe, overrides))
-    return [(s.step, s.loss, s.tokens, s.grad_norm) for s in result.history], grads
+from tests.training import ranks, tiny_recipe, train_on_ranks
 
 
 def max_rel_err(a: dict, b: dict) -> float:

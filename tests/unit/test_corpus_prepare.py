@@ -57,7 +57,8 @@ def test_pretrain_windows_at_target(synth, tok, cache):
 @pytest.mark.parametrize("target", [768, 1536])
 def test_qa_windows_keep_their_evidence(synth, tok, cache, target):
     path, records = synth
-    ds = prepare([str(path)], tok, task="qa", target_tokens=target, cache_dir=cache, num_proc=2 if target == 768 else 1)
+    ds = prepare([str(path)], tok, task="qa", target_tokens=target, cache_dir=cache, num_proc=2 if target == 768 else 1,
+                 questions_per_row=1)
     qas = {q["id"]: q for r in records for q in r["qa"]}
     assert sorted(ds["qa_id"]) == sorted(qas)
     split = 0
@@ -260,7 +261,7 @@ def test_cli_prepare_and_save(synth, tmp_path, cache, capsys):
     path, records = synth
     out = tmp_path / "rows.parquet"
     assert main(["data", "prepare", str(path), "--task", "qa", "--target-tokens", "1024", "--out", str(out),
-                 "--cache-dir", str(cache)]) == 0
+                 "--cache-dir", str(cache), "--questions-per-row", "1"]) == 0
     assert f"rows from {len(records)} documents" in capsys.readouterr().out
     import datasets
 

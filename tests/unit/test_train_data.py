@@ -69,7 +69,7 @@ def test_raw_documents_go_through_corpus_prepare(tmp_path):
     tok = load_tokenizer()
     docs = tmp_path / "legal.jsonl"
     write_jsonl(synthesize("legal", 1, 1024, seed=0), docs)
-    qa = load_sequences(DataConfig(path=str(docs), task="qa", seq_len=1536), tok, len(tok), seed=0)
+    qa = load_sequences(DataConfig(path=str(docs), task="qa", seq_len=1536, questions_per_row=1), tok, len(tok), seed=0)
     ids, labels = qa.row(0)
     scored = int((labels != -100).sum())
     assert len(qa) >= 2 and 0 < scored < 40 and ids.numel() > 1000  # the answer only, after the document
