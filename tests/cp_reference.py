@@ -53,3 +53,139 @@ def run_case(cp, case, seed: int, chunk: int = 6, batch: int = 2) -> dict[str, f
     grads = torch.autograd.grad(out, (ql, kl, vl), cp.shard(dout, dim=2))
     names = ("out", "dq", "dk", "dv")
     return {n: rel_err(x, cp.shard(r, dim=2)) for n, x, r in zip(names, (out, *grads), ref)}
+
+
+# ---- attention patterns: windows, chunks, soft-capping, sinks, documents -------------------------
+
+def pattern_mask(seq_len: int, causal: bool = True, window: int | None = None, chunk_size: int | None = None,
+                 doc_lens: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Bool (seq_len, seq_len), True where query i sees key j: written from the definitions, not
+    from longdoc's planner, so the two can disagree."""
+    i = torch.arange(seq_len).unsqueeze(1)
+    j = torch.arange(seq_len).unsqueeze(0)
+    vis = torch.ones(seq_len, seq_len, dtype=torch.bool)
+    if causal:
+        vis &= j <= i
+    if window is not None:
+        vis &= j > i - window
+    if chunk_size is not None:
+        vis &= (i // chunk_size) == (j // chunk_size)
+    if doc_lens is not None:
+        doc = torch.repeat_interleave(torch.arange(len(doc_lens)), torch.tensor(doc_lens))
+        vis &= doc.unsqueeze(1) == doc.unsqueeze(0)
+    return vis
+
+
+def pattern_reference(q, k, v, dout, mask: torch.Tensor, softcap: float | None = None,
+                      sinks: torch.Tensor | None = None, scale: float | None = None):
+    """Output and gradients (dq, dk, dv[, dsinks]) of masked, soft-capped, sink attention in float64."""
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    if sinks is not None:
+        leaves.append(sinks.detach().double().requires_grad_())
+    q64, k64, v64 = leaves[:3]
+    groups = q.shape[1] // k.shape[1]
+    k64, v64 = k64.repeat_interleave(groups, 1), v64.repeat_interleave(groups, 1)
+    s = q64 @ k64.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink_col = leaves[3].view(1, -1, 1, 1).expand(*s.shape[:3], 1)
+        p = torch.softmax(torch.cat([s, sink_col], dim=-1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(s, dim=-1)
+    out = p @ v64
+    grads = torch.autograd.grad(out, leaves, dout.double())
+    return (out.detach(), *grads)
+
+
+def _docs_for(seq_len: int) -> tuple[int, ...]:
+    """Documents for one row: single-token ones, odd ones, and one long enough to cross every chunk boundary."""
+    head = [1, 3, 1, 2]
+    long_doc = seq_len - sum(head) - 4
+    return (1, long_doc, *head[1:], 1, 3) if long_doc > 0 else (seq_len,)
+
+
+# name -> pattern kwargs, given the full length n; `docs` marks a packed row
+PATTERNS: dict[str, dict] = {
+    "window3": {"window": 3},                 # shorter than one chunk
+    "window1": {"window": 1},
+    "window11": {"window": 11},               # crosses chunks and ranks
+    "window_long": {"window": 10_000},        # longer than the sequence
+    "chunk5": {"chunk_size": 5},              # crosses chunk boundaries at odd places
+    "softcap": {"softcap": 2.0},
+    "sinks": {"sinks": True},
+    "docs": {"docs": True},
+    "docs_bidir": {"docs": True, "causal": False},
+    "window_docs": {"window": 4, "docs": True},
+    "sinks_window": {"sinks": True, "window": 5},
+    "softcap_window": {"softcap": 1.5, "window": 6},
+    "chunk_docs_sinks": {"chunk_size": 4, "docs": True, "sinks": True},
+    "everything": {"window": 3, "softcap": 3.0, "sinks": True, "docs": True},
+}
+
+
+def pattern_cases(full: bool = False) -> list[tuple]:
+    """(pattern, layout, strategy, heads, dtype) cases: the default set cycles heads and uses bf16 on
+    every other pattern; `full` is the whole product (slow)."""
+    out = []
+    for p_i, name in enumerate(PATTERNS):
+        for l_i, (layout, strategy) in enumerate(itertools.product(("zigzag", "contiguous"), ("ring", "allgather"))):
+            if full:
+                out += [(name, layout, strategy, h, d) for h in HEADS for d in DTYPES]
+                continue
+            heads = tuple(HEADS)[(p_i + l_i) % len(HEADS)]
+            out.append((name, layout, strategy, heads, "fp32"))
+            if (p_i + l_i) % 2 == 0:
+                out.append((name, layout, strategy, heads, "bf16"))
+    return out
+
+
+def _err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    # A gradient that is exactly zero (a window of 1: each softmax has one term) has no scale of its
+    # own: compare it absolutely, so fp32 rounding noise of 1e-7 is not "1e23 times too large".
+    if ref.double().abs().max() < 1e-12:
+        return (got.double() - ref.double()).abs().max().item()
+    return rel_err(got, ref)
+
+
+def run_pattern_case(cp_factory, case, seed: int, world_size: int, batch: int = 2, head_dim: int = 16,
+                     device: str = "cpu") -> dict:
+    """Relative errors of CP attention with a pattern vs the float64 reference, on this rank."""
+    import longdoc
+
+    name, layout, strategy, heads, dtype_name = case
+    spec = dict(PATTERNS[name])
+    cp = cp_factory(layout)
+    docs = spec.pop("docs", False)
+    with_sinks = spec.pop("sinks", False)
+    causal = spec.pop("causal", True)
+    # odd chunk lengths; a packed row only needs a multiple of the world size (7 per rank: odd)
+    seq_len = 7 * world_size if docs else 5 * cp.multiple
+    dtype = DTYPES[dtype_name]
+    q, k, v, dout = make_case(seed, batch, HEADS[heads], seq_len, head_dim, dtype)
+    g = torch.Generator().manual_seed(seed + 1)
+    sinks = torch.randn(HEADS[heads][0], generator=g).to(dtype) if with_sinks else None
+    packed = cp.pack(_docs_for(seq_len)) if docs else None
+    mask = pattern_mask(seq_len, causal, spec.get("window"), spec.get("chunk_size"),
+                        packed.doc_lens if packed else None)
+    ref = pattern_reference(q, k, v, dout, mask, spec.get("softcap"), sinks)
+    shard = lambda t: cp.shard(t, dim=2, documents=packed)  # noqa: E731
+    leaves = [shard(t).to(device).requires_grad_() for t in (q, k, v)]
+    if sinks is not None:
+        leaves.append(sinks.clone().to(device).requires_grad_())
+    out = longdoc.attention(*leaves[:3], cp, causal=causal, strategy=strategy, sinks=leaves[3] if with_sinks else None,
+                            documents=packed, **spec)
+    grads = [g_.cpu() for g_ in torch.autograd.grad(out, leaves, shard(dout).to(device))]
+    out = out.cpu()
+    errs = {"out": _err(out, shard(ref[0]))}
+    for n_, g_, r_ in zip(("dq", "dk", "dv"), grads[:3], ref[1:4]):
+        errs[n_] = _err(g_, shard(r_))
+    if sinks is not None:
+        # sinks are a parameter shared by the group: each rank gets its share, and the shares summed
+        # over the group (as the gradient all-reduce does for every parameter) are the full gradient
+        dsinks = grads[3].double()
+        if cp.size > 1:
+            torch.distributed.all_reduce(dsinks, group=cp.group)
+        errs["dsinks"] = _err(dsinks, ref[4])
+    return errs

@@ -1,15 +1,24 @@
 """Which blocks of the attention matrix a rank computes, and how partial results are merged.
 
-Shared by ring.py and allgather.py. A plan is a list of (q_slice, kv_slice, causal) over local
-query rows and key columns; blocks that a causal mask hides entirely are never listed, so no masked
-work is computed.
+Shared by ring.py and allgather.py. The plain plans (causal or bidirectional over one sequence) are
+lists of (q_slice, kv_slice, causal) over local query rows and key columns; patterns (windows,
+chunks, documents) are planned by masks.plan into `masks.Block`s. Either way blocks that the pattern
+hides entirely are never listed, so no masked-out work is computed. `ring_blocks` / `gather_blocks`
+give Blocks for any pattern, `ring_steps` how many ring steps any rank needs.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-Block = tuple[slice, slice, bool]
+from longdoc.parallel import layout as layouts
+from longdoc.parallel import masks
+from longdoc.parallel.layout import Run
+from longdoc.parallel.masks import Block, Pattern
+
+Triple = tuple[slice, slice, bool]  # (rows, cols, causal) of the plain plans
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
@@ -33,7 +42,7 @@ def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
     return new_out, new_lse
 
 
-def ring_plan(layout: str, rank: int, src: int, world_size: int, local_len: int, causal: bool) -> list[Block]:
+def ring_plan(layout: str, rank: int, src: int, world_size: int, local_len: int, causal: bool) -> list[Triple]:
     """Blocks of (local queries) x (keys held by rank `src`) that `rank` computes in a ring step."""
     full = slice(0, local_len)
     if not causal:
@@ -52,14 +61,84 @@ def ring_plan(layout: str, rank: int, src: int, world_size: int, local_len: int,
     return [(slice(half, local_len), full, False)]
 
 
-def prefix_plan(chunks: tuple[int, ...], chunk_len: int, seq_len: int, causal: bool) -> list[Block]:
+def prefix_plan(chunks: tuple[int, ...], chunk_len: int, seq_len: int, causal: bool) -> list[Triple]:
     """Blocks of (local queries) x (all keys in global order) for all-gather attention."""
     if not causal:
         return [(slice(0, len(chunks) * chunk_len), slice(0, seq_len), False)]
-    plan: list[Block] = []
+    plan: list[Triple] = []
     for i, g in enumerate(chunks):
         rows = slice(i * chunk_len, (i + 1) * chunk_len)
         if g > 0:
             plan.append((rows, slice(0, g * chunk_len), False))
         plan.append((rows, slice(g * chunk_len, (g + 1) * chunk_len), True))
     return plan
+
+
+# ---- patterns: windows, chunks, documents (longdoc/parallel/masks.py does the maths) -----------
+
+def all_runs(layout: str, size: int, seq_len: int, pattern: Pattern) -> tuple[tuple[Run, ...], ...]:
+    """Every rank's pieces of the full sequence (a pure function of metadata all ranks share)."""
+    return tuple(layouts.runs(layout, r, size, seq_len, pattern.documents) for r in range(size))
+
+
+def _as_blocks(plan: list[tuple[slice, slice, bool]]) -> tuple[Block, ...]:
+    return tuple(Block(rows, cols, causal) for rows, cols, causal in plan)
+
+
+@functools.lru_cache(maxsize=4096)
+def ring_blocks(layout: str, rank: int, src: int, size: int, local_len: int, pattern: Pattern) -> tuple[Block, ...]:
+    """Blocks of (local queries) x (keys held by `src`) for any pattern; hidden blocks never listed."""
+    if pattern.plain:
+        return _as_blocks(ring_plan(layout, rank, src, size, local_len, pattern.causal))
+    seq_len = local_len * size
+    runs = all_runs(layout, size, seq_len, pattern)
+    return masks.plan(runs[rank], runs[src], seq_len, pattern)
+
+
+@functools.lru_cache(maxsize=1024)
+def ring_steps(layout: str, size: int, local_len: int, pattern: Pattern) -> int:
+    """How many ring steps any rank needs (size, unless a window/chunk/documents hide the far blocks)."""
+    if pattern.plain:
+        return size
+    seq_len = local_len * size
+    return masks.steps_needed(all_runs(layout, size, seq_len, pattern), seq_len, pattern)
+
+
+@functools.lru_cache(maxsize=1024)
+def gather_blocks(layout: str, rank: int, size: int, local_len: int, pattern: Pattern) -> tuple[Block, ...]:
+    """Blocks of (local queries) x (all keys, in global order) for all-gather attention."""
+    seq_len = local_len * size
+    if pattern.plain:
+        chunks = layouts.chunk_ids(layout, rank, size)
+        return _as_blocks(prefix_plan(chunks, local_len // len(chunks), seq_len, pattern.causal))
+    runs = all_runs(layout, size, seq_len, pattern)
+    return masks.plan(runs[rank], ((0, seq_len),), seq_len, pattern)
+
+
+# ---- attention sinks: one learned logit per head in every row's softmax denominator -----------
+
+def fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of the merged blocks -> with the sink in the denominator, folded once after all blocks.
+
+    out *= exp(lse - logaddexp(lse, sink)); a row that saw no key stays zero (its lse becomes the sink's).
+    out (batch, q_heads, len, head_dim) and lse (batch, q_heads, len) in the accumulator dtype.
+    """
+    sink = sinks.to(lse.dtype).view(1, -1, 1)
+    new_lse = torch.logaddexp(lse, sink.expand_as(lse))
+    return out * torch.exp(lse - new_lse).unsqueeze(-1), new_lse
+
+
+def sinks_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """d loss / d sinks from the FINAL (out, lse): -sum over rows of p_sink * (dout . out)."""
+    acc = lse.dtype
+    p_sink = torch.exp(sinks.to(acc).view(1, -1, 1) - lse)
+    delta = (dout.to(acc) * out.to(acc)).sum(-1)
+    return -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype)
+
+
+def kernel_call(kernel, band_kernel, blk: Block, softcap: float | None) -> tuple:
+    """(kernel, extra kwargs) for one block: band blocks go to the band-capable kernel."""
+    kern = band_kernel if blk.band is not None and band_kernel is not None else kernel
+    if blk.band is None and softcap is None:
+        return kern, {}  # the plain call every kernel accepts
+    return kern, {"band": blk.band, "softcap": softcap}

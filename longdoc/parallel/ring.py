@@ -1,36 +1,46 @@
 """Ring attention: K/V blocks rotate around the context-parallel group.
 
-Forward: at each of the N steps a rank computes its queries against the K/V block it holds while
-the next block is already in flight (double buffering), and merges the partial (out, lse) in fp32.
+Forward: at each step a rank computes its queries against the K/V block it holds while the next
+block is already in flight (double buffering), and merges the partial (out, lse) in fp32.
 Backward: K/V rotate again; dQ stays local, dK/dV accumulate in fp32 in a buffer that travels with
-its K/V block and arrives back at the owner after the last step.
-With the zigzag layout every rank does the same causal work at every step.
+its K/V block and goes back to the owner after the last step.
+With the zigzag layout (per document for packed rows) every rank does the same causal work. Under a
+window, chunks or documents the blocks no rank needs are never computed, and the ring stops after
+`blocks.ring_steps` steps (the same number on every rank, from metadata: no extra message).
+Attention sinks are folded once into the merged result (blocks.fold_sinks), never once per block.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from longdoc.parallel import blocks
-from longdoc.parallel.comm import Ring
-from longdoc.parallel.kernels import Kernel, _lse_dtype
+from longdoc.parallel.comm import Pending, Ring
+from longdoc.parallel.kernels import Kernel, lse_dtype
+from longdoc.parallel.masks import Pattern
 
 
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring | None, layout: str,
-                 causal: bool, scale: float, kernel: Kernel) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (out like q, lse (batch, q_heads, local_len) in fp32/fp64)."""
+                 causal: bool, scale: float, kernel: Kernel, pattern: Pattern | None = None,
+                 band_kernel: Kernel | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (out like q, lse (batch, q_heads, local_len) in fp32/fp64), before any sinks."""
     rank, size = (ring.rank, ring.size) if ring else (0, 1)
-    acc = _lse_dtype(q.dtype)
+    pattern = pattern or Pattern(causal)
+    acc = lse_dtype(q.dtype)
     local_len = q.shape[2]
+    steps = blocks.ring_steps(layout, size, local_len, pattern)
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
     kv = torch.stack([k, v])  # (2, batch, kv_heads, local_len, head_dim): one message per step
-    spare = torch.empty_like(kv) if size > 1 else None
-    for step in range(size):
-        pending = ring.shift(kv, spare) if step + 1 < size else None
+    spare = torch.empty_like(kv) if steps > 1 else None
+    for step in range(steps):
+        pending = ring.shift(kv, spare) if step + 1 < steps else None
         src = (rank - step) % size
-        for rows, cols, blk_causal in blocks.ring_plan(layout, rank, src, size, local_len, causal):
-            o, l = kernel.forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], blk_causal, scale)
+        for blk in blocks.ring_blocks(layout, rank, src, size, local_len, pattern):
+            kern, extra = blocks.kernel_call(kernel, band_kernel, blk, pattern.softcap)
+            rows, cols = blk.rows, blk.cols
+            o, l = kern.forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], blk.causal, scale, **extra)
             out[:, :, rows], lse[:, :, rows] = blocks.merge(out[:, :, rows], lse[:, :, rows], o, l)
         if pending is not None:
             pending.wait()
@@ -38,24 +48,40 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring |
     return out.to(q.dtype), lse
 
 
+def _send_home(ring: Ring, dkv: torch.Tensor, steps: int) -> tuple[Pending, torch.Tensor]:
+    """Send the dK/dV accumulated for the block held at the last step to its owner (rank - steps + 1),
+    and receive this rank's own from rank + steps - 1. With steps == size that is the ring neighbour."""
+    recv = torch.empty_like(dkv)
+    to = dist.get_global_rank(ring.group, (ring.rank - steps + 1) % ring.size)
+    frm = dist.get_global_rank(ring.group, (ring.rank + steps - 1) % ring.size)
+    ops = [dist.P2POp(dist.isend, dkv, to, ring.group, 2), dist.P2POp(dist.irecv, recv, frm, ring.group, 2)]
+    return Pending(dist.batch_isend_irecv(ops), ring.timeout, "ring send/recv", [to, frm]), recv
+
+
 def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                   lse: torch.Tensor, ring: Ring | None, layout: str, causal: bool, scale: float,
-                  kernel: Kernel) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  kernel: Kernel, pattern: Pattern | None = None,
+                  band_kernel: Kernel | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) from the FINAL out and lse (sinks folded in, if any)."""
     rank, size = (ring.rank, ring.size) if ring else (0, 1)
-    acc = _lse_dtype(q.dtype)
+    pattern = pattern or Pattern(causal)
+    acc = lse_dtype(q.dtype)
     local_len = q.shape[2]
+    steps = blocks.ring_steps(layout, size, local_len, pattern)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv = torch.stack([k, v])
-    spare = torch.empty_like(kv) if size > 1 else None
+    spare = torch.empty_like(kv) if steps > 1 else None
     dkv_pending, dkv_recv = None, None
-    for step in range(size):
-        kv_pending = ring.shift(kv, spare, tag=0) if step + 1 < size else None
+    for step in range(steps):
+        kv_pending = ring.shift(kv, spare, tag=0) if step + 1 < steps else None
         src = (rank - step) % size
         dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)  # this step's dK/dV for src's block
-        for rows, cols, blk_causal in blocks.ring_plan(layout, rank, src, size, local_len, causal):
-            dq_b, dk_b, dv_b = kernel.backward(dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols],
-                                               kv[1][:, :, cols], out[:, :, rows], lse[:, :, rows],
-                                               blk_causal, scale)
+        for blk in blocks.ring_blocks(layout, rank, src, size, local_len, pattern):
+            kern, extra = blocks.kernel_call(kernel, band_kernel, blk, pattern.softcap)
+            rows, cols = blk.rows, blk.cols
+            dq_b, dk_b, dv_b = kern.backward(dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols],
+                                             kv[1][:, :, cols], out[:, :, rows], lse[:, :, rows],
+                                             blk.causal, scale, **extra)
             dq[:, :, rows] += dq_b
             dkv[0][:, :, cols] += dk_b
             dkv[1][:, :, cols] += dv_b
@@ -63,34 +89,42 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
             # What the previous ranks accumulated for src's block arrived during this step's compute.
             dkv_pending.wait()
             dkv += dkv_recv
-        if size > 1:
+        if steps > 1 and (step + 1 < steps or steps == size):  # on to the next rank (the owner, at the end)
             dkv_recv = torch.empty_like(dkv)
             dkv_pending = ring.shift(dkv, dkv_recv, tag=1)
+        elif steps > 1:
+            dkv_pending, dkv_recv = _send_home(ring, dkv, steps)
         if kv_pending is not None:
             kv_pending.wait()
             kv, spare = spare, kv
     if dkv_pending is not None:
         dkv_pending.wait()
-        dkv = dkv_recv  # after N hops the accumulator is back at the owner of the block
+        dkv = dkv_recv  # the accumulator of this rank's own block, back from the last rank that used it
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring, layout, causal, scale, kernel):
-        out, lse = ring_forward(q, k, v, ring, layout, causal, scale, kernel)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (ring, layout, causal, scale, kernel)
+    def forward(ctx, q, k, v, sinks, ring, layout, pattern, scale, kernel, band_kernel):
+        out, lse = ring_forward(q, k, v, ring, layout, pattern.causal, scale, kernel, pattern, band_kernel)
+        if sinks is not None:
+            out, lse = blocks.fold_sinks(out.to(lse.dtype), lse, sinks)
+            out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.args = (ring, layout, pattern.causal, scale, kernel, pattern, band_kernel)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         dq, dk, dv = ring_backward(dout, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+        dsinks = blocks.sinks_grad(dout, out, lse, sinks) if sinks is not None else None
+        return dq, dk, dv, dsinks, None, None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring | None, layout: str,
-                   causal: bool, scale: float, kernel: Kernel) -> torch.Tensor:
-    """Differentiable ring attention on validated local shards."""
-    return RingAttention.apply(q, k, v, ring, layout, causal, scale, kernel)
+                   causal: bool, scale: float, kernel: Kernel, *, pattern: Pattern | None = None,
+                   sinks: torch.Tensor | None = None, band_kernel: Kernel | None = None) -> torch.Tensor:
+    """Differentiable ring attention on validated local shards (`pattern` overrides `causal`)."""
+    pattern = pattern or Pattern(causal)
+    return RingAttention.apply(q, k, v, sinks, ring, layout, pattern, scale, kernel, band_kernel)

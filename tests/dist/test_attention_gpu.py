@@ -46,3 +46,45 @@ def _two_ranks_one_device(rank, world_size):
 def test_ring_on_cuda_two_ranks_share_device():
     for errs in run_ranks(2, _two_ranks_one_device, deadline=300):
         assert max(errs) <= 2e-2, errs
+
+
+# ---- attention patterns on CUDA: band masks (memory-efficient kernel), soft-capping, sinks --------
+
+from longdoc.parallel.masks import band_hidden  # noqa: E402
+from tests.cp_reference import PATTERNS, pattern_reference, run_pattern_case  # noqa: E402
+
+_GPU_KERNEL_CASES = [("cuda_efficient", torch.float32, None), ("cuda_efficient", torch.bfloat16, None),
+                     ("math", torch.bfloat16, 2.0), ("math", torch.float32, 2.0)]
+if kernels.flash_attn_available():
+    _GPU_KERNEL_CASES.append(("flash_attn", torch.bfloat16, 2.0))
+
+
+@pytest.mark.parametrize(("kernel", "dtype", "softcap"), _GPU_KERNEL_CASES)
+@pytest.mark.parametrize("band", [None, (-40, 0), (3, None)])
+def test_cuda_pattern_kernels(kernel, dtype, softcap, band):
+    kern = kernels.KERNELS[kernel]
+    if band is not None and not kern.band:
+        pytest.skip("the selector never gives band blocks to this kernel")
+    q, k, v, dout = (t.cuda() for t in make_case(3, 2, (8, 2), 192, 128, dtype))
+    rows = torch.ones(192, dtype=torch.bool) if band is None else (~band_hidden(192, 192, band)).any(1)
+    q, dout = q[:, :, rows.cuda()], dout[:, :, rows.cuda()]
+    extra = {"band": band, "softcap": softcap} if band is not None or softcap is not None else {}
+    out, lse = kern.forward(q, k, v, False, 128**-0.5, **extra)
+    grads = kern.backward(dout, q, k, v, out, lse, False, 128**-0.5, **extra)
+    visible = torch.ones(int(rows.sum()), 192, dtype=torch.bool) if band is None else ~band_hidden(192, 192, band)[rows]
+    ref = pattern_reference(q.cpu(), k.cpu(), v.cpu(), dout.cpu(), visible, softcap=softcap, scale=128**-0.5)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    for got, want in zip((out, *grads), ref):
+        assert rel_err(got.cpu(), want) <= tol
+
+
+def test_every_pattern_on_cuda_one_rank():
+    cp_factory = lambda layout: longdoc.ContextParallel(layout=layout)  # noqa: E731
+    failures = []
+    for i, name in enumerate(PATTERNS):
+        for dtype in ("fp32", "bf16"):
+            errs = run_pattern_case(cp_factory, (name, "zigzag", "ring", "gqa", dtype), 50 + i, 1, device="cuda")
+            tol = 1e-4 if dtype == "fp32" else 2e-2
+            if not all(e <= tol for e in errs.values()):
+                failures.append((name, dtype, errs))
+    assert not failures, failures

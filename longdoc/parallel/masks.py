@@ -1,0 +1,223 @@
+"""Attention patterns in global token positions, and the blocks a rank computes for them.
+
+A `Pattern` says which key j a query i sees (all in GLOBAL positions of the full sequence, so every
+rank computes the same thing):
+- causal: j <= i (else any j of the same segment);
+- window w (sliding window, Hugging Face's convention): i - w < j <= i;
+- chunk_size C (Llama 4 chunked local attention): i // C == j // C;
+- documents (a packed row): i and j in the same document.
+Chunks and documents cut the sequence into *segments*; inside a segment, query i sees the keys j
+with lo(i) <= j <= hi(i), where lo(i) = i - w + 1 (or the segment start) and hi(i) = i (or the
+segment end). Both are non-decreasing in i, so the visible keys of a block of consecutive queries
+form a band: a block is hidden, full, a causal square, or a band given by two diagonals. Only
+band blocks need a mask, and it is built from the two diagonals by the kernel.
+
+`plan(q_runs, k_runs, pattern)` lists the blocks of (local queries) x (keys held by another rank):
+never a hidden block, never a row that sees none of the block's keys (so no kernel ever meets a
+fully masked row), and every visible (query, key) cell exactly once over all ranks and ring steps.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from longdoc.parallel.layout import Packed, Run
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """Which keys a query sees; see the module docstring. Validated by longdoc.attention."""
+
+    causal: bool = True
+    window: int | None = None
+    chunk_size: int | None = None
+    softcap: float | None = None
+    documents: Packed | None = None
+
+    def normalized(self, seq_len: int) -> Pattern:
+        """The same pattern with the parts that hide nothing at this length dropped (cheaper plans)."""
+        window = self.window if self.window is not None and self.window < seq_len else None
+        chunk = self.chunk_size if self.chunk_size is not None and self.chunk_size < seq_len else None
+        # documents stay even when there is one: they also decide the layout (per-document zigzag)
+        return Pattern(self.causal, window, chunk, self.softcap, self.documents)
+
+    @property
+    def plain(self) -> bool:
+        """No window, chunk or documents: the plain causal / bidirectional plans apply."""
+        return self.window is None and self.chunk_size is None and self.documents is None
+
+
+@dataclass(frozen=True)
+class Block:
+    """Local rows x local cols of one kernel call.
+
+    causal: top-left aligned causal square. band (lo, hi): row r sees col c when lo <= c - r <= hi
+    (None = unbounded), a mask the kernel builds only for this block.
+    """
+
+    rows: slice
+    cols: slice
+    causal: bool = False
+    band: tuple[int | None, int | None] | None = None
+
+
+def boundaries(seq_len: int, pattern: Pattern) -> tuple[int, ...]:
+    """Sorted segment starts (documents and chunks), with seq_len at the end."""
+    cuts = {0, seq_len}
+    if pattern.documents is not None:
+        cuts.update(pattern.documents.starts())
+    if pattern.chunk_size is not None:
+        cuts.update(range(0, seq_len, pattern.chunk_size))
+    return tuple(sorted(c for c in cuts if c <= seq_len))
+
+
+def _pieces(runs_: tuple[Run, ...], cuts: tuple[int, ...]) -> list[tuple[int, int, int, int]]:
+    """Runs split at segment boundaries: (global start, global end, local offset, segment index)."""
+    out, offset = [], 0
+    for start, length in runs_:
+        pos, end = start, start + length
+        while pos < end:
+            seg = bisect.bisect_right(cuts, pos) - 1
+            stop = min(end, cuts[seg + 1])
+            out.append((pos, stop, offset + pos - start, seg))
+            pos = stop
+        offset += length
+    return out
+
+
+def tile_size(window: int | None) -> int | None:
+    """Query rows per tile under a window: a quarter window (>= 64) computes ~1.25 w keys per row."""
+    return None if window is None else max(64, window // 4)
+
+
+def _lo(i: int, window: int | None) -> float:
+    return i - window + 1 if window is not None else float("-inf")
+
+
+def _hi(i: int, causal: bool) -> float:
+    return i if causal else float("inf")
+
+
+def _emit(out: list[Block], qa: int, qb: int, ka: int, kb: int, q_off: int, k_off: int, pattern: Pattern) -> None:
+    """Blocks for global queries [qa, qb) x keys [ka, kb) of one segment; q_off/k_off: local index of qa/ka."""
+    w, causal = pattern.window, pattern.causal
+    # Keep only the rows that see at least one of these keys: lo and hi are monotone, so they form a
+    # range, and no kernel ever gets a fully masked row (whose lse the CPU kernel reports as 0).
+    top = max(qa, ka) if causal else qa
+    bottom = min(qb, kb + w - 1) if w is not None else qb
+    if top >= bottom:
+        return
+    q_off, qa, qb = q_off + top - qa, top, bottom
+    ks, ke = max(ka, _lo(qa, w)), min(kb, _hi(qb - 1, causal) + 1)  # keys some row sees
+    if ks >= ke:
+        return
+    fs, fe = max(ks, _lo(qb - 1, w)), min(ke, _hi(qa, causal) + 1)  # keys every row sees
+    ks, ke = int(ks), int(ke)
+    rows = slice(q_off, q_off + qb - qa)
+
+    def cols(a: int, b: int) -> slice:
+        return slice(k_off + a - ka, k_off + b - ka)
+
+    if fs <= ks and fe >= ke:
+        out.append(Block(rows, cols(ks, ke)))
+    elif fs >= fe:  # no key seen by every row: one band (or causal) block
+        _edge(out, qa, qb, ks, ke, q_off, k_off + ks - ka, pattern)
+    else:  # a full middle, and band (or causal) edges on either side
+        fs, fe = int(fs), int(fe)
+        out.append(Block(rows, cols(fs, fe)))
+        for a, b in ((ks, fs), (fe, ke)):
+            if a < b:
+                _edge(out, qa, qb, a, b, q_off, k_off + a - ka, pattern)
+
+
+def _edge(out: list[Block], qa: int, qb: int, ka: int, kb: int, q_off: int, k_off: int, pattern: Pattern) -> None:
+    """One masked block for queries [qa, qb) x keys [ka, kb): a causal square, or a band whose two
+    diagonals are the window's lower edge and the causal upper edge; rows that see none are dropped."""
+    w, causal = pattern.window, pattern.causal
+    top = max(qa, ka) if causal else qa
+    bottom = min(qb, kb + w - 1) if w is not None else qb
+    if top >= bottom:
+        return
+    q_off, qa, qb = q_off + top - qa, top, bottom
+    rows, cols = slice(q_off, q_off + qb - qa), slice(k_off, k_off + kb - ka)
+    if causal and (qa, qb) == (ka, kb) and (w is None or w >= qb - qa):
+        out.append(Block(rows, cols, causal=True))
+        return
+    # row r (query qa + r) sees col c (key ka + c) when lo <= c - r <= hi
+    lo = None if w is None or ka >= qb - w else (1 - w) - (ka - qa)
+    hi = None if not causal or kb - 1 <= qa else qa - ka
+    out.append(Block(rows, cols) if lo is None and hi is None else Block(rows, cols, band=(lo, hi)))
+
+
+@functools.lru_cache(maxsize=4096)
+def plan(q_runs: tuple[Run, ...], k_runs: tuple[Run, ...], seq_len: int, pattern: Pattern) -> tuple[Block, ...]:
+    """Blocks of (queries in q_runs) x (keys in k_runs), in local row / col indices; see the module doc."""
+    cuts = boundaries(seq_len, pattern)
+    kp = _pieces(k_runs, cuts)
+    tile = tile_size(pattern.window)
+    out: list[Block] = []
+    for qa, qb, q_off, seg in _pieces(q_runs, cuts):
+        for ka, kb, k_off, kseg in kp:
+            if kseg != seg or (pattern.causal and ka > qb - 1):
+                continue
+            if pattern.window is not None and kb - 1 < qa - pattern.window + 1:
+                continue
+            step = tile or (qb - qa)
+            for a in range(qa, qb, step):
+                b = min(qb, a + step)
+                _emit(out, a, b, ka, kb, q_off + a - qa, k_off, pattern)
+    return tuple(out)
+
+
+def visible(i: int, j: int, seq_len: int, pattern: Pattern) -> bool:
+    """Does global query i see global key j? (The definition the plans are tested against.)"""
+    cuts = boundaries(seq_len, pattern)
+    if bisect.bisect_right(cuts, i) != bisect.bisect_right(cuts, j):
+        return False
+    return _lo(i, pattern.window) <= j <= _hi(i, pattern.causal)
+
+
+def steps_needed(all_runs: tuple[tuple[Run, ...], ...], seq_len: int, pattern: Pattern) -> int:
+    """Ring steps until no rank needs another block: 1 + the last step any rank has work in.
+
+    A pure function of metadata every rank holds, so all ranks stop together with no extra message.
+    """
+    size = len(all_runs)
+    last = 0
+    for rank in range(size):
+        for step in range(1, size):
+            if step > last and plan(all_runs[rank], all_runs[(rank - step) % size], seq_len, pattern):
+                last = step
+    return last + 1
+
+
+# ---- band masks: built by the kernels for partial blocks only ----------------------------------
+
+def band_hidden(rows: int, cols: int, band: tuple[int | None, int | None] | None, causal: bool = False,
+                row_offset: int = 0, device: torch.device | str | None = None) -> torch.Tensor | None:
+    """Bool (rows, cols), True where hidden: c - r outside band (rows counted from `row_offset`),
+    or c > r when `causal`; None when nothing is hidden."""
+    if band is None and not causal:
+        return None
+    d = torch.arange(cols, device=device).unsqueeze(0) - torch.arange(row_offset, row_offset + rows,
+                                                                      device=device).unsqueeze(1)
+    hidden = torch.zeros(rows, cols, dtype=torch.bool, device=device)
+    lo, hi = band if band is not None else (None, None)
+    if causal:
+        hi = 0 if hi is None else min(hi, 0)
+    if lo is not None:
+        hidden |= d < lo
+    if hi is not None:
+        hidden |= d > hi
+    return hidden
+
+
+def band_bias(rows: int, cols: int, band: tuple[int | None, int | None], dtype: torch.dtype,
+              device: torch.device | str | None = None) -> torch.Tensor:
+    """Additive (rows, cols) mask of `dtype`: 0 where visible, -inf where hidden (what aten kernels take)."""
+    hidden = band_hidden(rows, cols, band, device=device)
+    return torch.zeros(rows, cols, dtype=dtype, device=device).masked_fill(hidden, float("-inf"))

@@ -1,0 +1,114 @@
+"""The attention-pattern part of `longdoc.attention`'s per-rank metadata, and its checks.
+
+`build` turns the user's pattern arguments into a `masks.Pattern` plus a list of ints that joins the
+q/k/v metadata every rank agrees on before any data moves (api._validate); it never raises, so a
+bad value on one rank becomes the same ValueError on every rank (`problem`) instead of a hang.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import zlib
+
+import torch
+
+from longdoc.parallel.layout import Packed
+from longdoc.parallel.masks import Pattern
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_NOT_INT = -(1 << 62)  # a window / chunk_size that is not an int at all
+_ZERO = -(1 << 61)  # a window / chunk_size of 0 (0 itself means "None" in the metadata)
+
+
+def _int_or(x) -> int:
+    if x is None:
+        return 0
+    if isinstance(x, bool) or not isinstance(x, int):
+        return _NOT_INT
+    return x if x != 0 else _ZERO
+
+
+def _float_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def build(q: torch.Tensor, window, chunk_size, softcap, sinks, documents) -> tuple[Pattern, list[int]]:
+    """(pattern, metadata ints) for these arguments; invalid values are encoded, not raised."""
+    meta = [_int_or(window), _int_or(chunk_size)]
+    cap_ok = isinstance(softcap, (int, float)) and not isinstance(softcap, bool) and math.isfinite(softcap) \
+        and softcap > 0
+    meta += [0, 0] if softcap is None else ([1, _float_bits(float(softcap))] if cap_ok else [-1, 0])
+    if sinks is None:
+        meta += [0, 0, 0, 0, 1]
+    elif not isinstance(sinks, torch.Tensor):
+        meta += [-1, 0, 0, 0, 1]
+    else:
+        meta += [1, sinks.dim(), sinks.shape[0] if sinks.dim() else 0,
+                 _FLOATS.index(sinks.dtype) if sinks.dtype in _FLOATS else -1, int(sinks.device == q.device)]
+    packed = None
+    if documents is not None:
+        try:
+            packed = documents if isinstance(documents, Packed) else Packed(tuple(documents))
+        except (TypeError, ValueError):
+            packed = None
+        if packed is None:
+            meta += [-1, 0, 0, 0]
+        else:
+            crc = zlib.crc32(struct.pack(f"<{len(packed.doc_lens)}q", *packed.doc_lens))
+            meta += [1, len(packed.doc_lens), packed.seq_len, crc]
+    else:
+        meta += [0, 0, 0, 0]
+    pattern = Pattern(True, window if meta[0] > 0 else None, chunk_size if meta[1] > 0 else None,
+                      float(softcap) if cap_ok else None, packed)
+    return pattern, meta
+
+
+def has_documents(meta: list[int]) -> bool:
+    return len(meta) > 9 and meta[9] == 1
+
+
+def describe(meta: list[int]) -> str:
+    parts = []
+    if meta[0]:
+        parts.append(f"window={meta[0]}")
+    if meta[1]:
+        parts.append(f"chunk_size={meta[1]}")
+    if meta[2] == 1:
+        parts.append(f"softcap={struct.unpack('<d', struct.pack('<q', meta[3]))[0]:g}")
+    if meta[4] == 1:
+        parts.append(f"sinks {meta[5]}-D ({meta[6]},)")
+    if meta[9] == 1:
+        parts.append(f"documents: {meta[10]} summing to {meta[11]} (crc {meta[12]:08x})")
+    return ", ".join(parts) if parts else "no pattern"
+
+
+def problem(meta: list[int], *, causal: bool, q_heads: int, seq_len: int, layout: str) -> str | None:
+    """What is wrong with one rank's pattern arguments, or None. seq_len: the full length."""
+    window, chunk = meta[0], meta[1]
+    for name, val in (("window", window), ("chunk_size", chunk)):
+        if val < 0:
+            got = "" if val == _NOT_INT else f", got {0 if val == _ZERO else val}"
+            return f"{name} must be an int >= 1 or None{got}"
+    if window and not causal:
+        return ("window needs causal=True: a sliding window looks back (query i sees keys i - window < j <= i); "
+                "for bidirectional local attention pass causal=True per direction or documents=")
+    if meta[2] < 0:
+        return "softcap must be a positive finite number (scores become softcap * tanh(s / softcap)) or None"
+    if meta[4] < 0:
+        return "sinks must be a torch.Tensor of shape (q_heads,) or None"
+    if meta[4] == 1:
+        if meta[5] != 1 or meta[6] != q_heads:
+            shape = f"a {meta[5]}-D tensor" + (f" of length {meta[6]}" if meta[5] == 1 else "")
+            return f"sinks must have shape (q_heads,) = ({q_heads},), one logit per query head; got {shape}"
+        if meta[7] < 0:
+            return "sinks must be a float16, bfloat16, float32 or float64 tensor"
+        if not meta[8]:
+            return "sinks must be on the same device as q"
+    if meta[9] < 0:
+        return ("documents must be cp.pack(doc_lens), a longdoc Packed, or a sequence of positive ints (the "
+                "lengths of the packed documents, in order)")
+    if meta[9] == 1 and meta[11] != seq_len:
+        return (f"documents sum to {meta[11]} tokens but the full sequence has {seq_len} (local length x CP "
+                f"size); pass the lengths of every document of the row, padding included")
+    return None
