@@ -40,7 +40,7 @@ from longdoc.hf.attention import (
 from longdoc.parallel import comm
 from longdoc.parallel import layout as layouts
 from longdoc.parallel.api import ContextParallel, check_strategy
-from longdoc.parallel.batch import CPInputError
+from longdoc.parallel.batch import CPInputError, documents_of
 
 __all__ = ["patch", "unpatch", "is_patched", "UnsupportedFeatureError", "CPInputError"]
 
@@ -82,8 +82,8 @@ def _raise(handle: CPHandle, problem: tuple[str, str]):
     raise refuse(handle.model_name, *problem)
 
 
-_PADDING_FIX = ("right padding only: tokenize with tokenizer.padding_side = 'right' (cp.shard_batch checks "
-                "and handles right padding)")
+_PADDING_FIX = ("build the local batch with cp.shard_batch: it turns left padding into right padding (which "
+                "needs no mask) and passes no attention_mask on")
 
 
 def _call_problem(handle: CPHandle, call: dict) -> tuple[str, str] | None:
@@ -98,19 +98,38 @@ def _call_problem(handle: CPHandle, call: dict) -> tuple[str, str] | None:
                 "call longdoc.hf.generate(model, cp, input_ids, max_new_tokens) or model.generate, which routes "
                 "there")
     local_len = x.shape[1]
-    chunks = len(layouts.chunk_ids(cp.layout, 0, cp.size))
-    if local_len % chunks:
-        return _Input(f"a local sequence of {local_len} tokens", f"the {cp.layout} layout holds {chunks} equal chunks "
-                f"per rank; build the local batch with cp.shard_batch, which pads")
     global_len = local_len * cp.size
     pos = call.get("position_ids")
     if pos is None:
         return _Input("no position_ids", "under CP every rank must pass the GLOBAL positions of its tokens "
                 "(cp.shard_batch provides them); without them RoPE would see local positions")
-    expected = cp.positions(global_len, device=pos.device)
-    if pos.shape[-1] != local_len or not bool((pos == expected).all()):
-        return _Input("position_ids that are not this rank's global positions",
-                "pass the position_ids made by cp.shard_batch (packed sequences / offsets are not supported)")
+    cu = call.get("cu_seq_lens_q")
+    if cu is not None:
+        if call.get("cu_seq_lens_k") is not None and not torch.equal(call["cu_seq_lens_k"], cu):
+            return _Input("cu_seq_lens_k different from cu_seq_lens_q", "pass the batch cp.shard_batch made")
+        try:
+            docs = documents_of(cu, x.shape[0], global_len)
+            for d in docs:
+                d.check(cp.size)
+        except ValueError as e:
+            return _Input("cu_seq_lens_q that are not the global document boundaries of this batch",
+                          f"pass the packed batch cp.shard_batch made ({e})")
+        expected = torch.stack([cp.shard(d.position_ids(pos.device), dim=0, documents=d) for d in docs])
+        if pos.shape != expected.shape or not bool((pos == expected).all()):
+            return _Input("position_ids that are not this rank's positions within its packed documents",
+                          "pass the position_ids made by cp.shard_batch for the packed batch")
+        handle.documents = tuple(docs)
+    else:
+        chunks = len(layouts.chunk_ids(cp.layout, 0, cp.size))
+        if local_len % chunks:
+            return _Input(f"a local sequence of {local_len} tokens", f"the {cp.layout} layout holds {chunks} equal "
+                          f"chunks per rank; build the local batch with cp.shard_batch, which pads")
+        # Each row: this rank's global positions plus one offset >= 0 (a row numbered from another start,
+        # such as a left-padded row that cp.shard_batch rolled to the right, every token keeping its id).
+        offset = pos - cp.positions(global_len, device=pos.device)
+        if pos.shape[-1] != local_len or not bool((offset == offset[..., :1]).all()) or bool((offset < 0).any()):
+            return _Input("position_ids that are not this rank's global positions",
+                    "pass the position_ids made by cp.shard_batch (it handles packed rows and left padding)")
     if call.get("labels") is not None and call.get("shift_labels") is None:
         return _Input("labels without shift_labels", "labels must be shifted over the FULL sequence before sharding; "
                 "build the batch with cp.shard_batch (it passes shift_labels and num_items_in_batch)")
@@ -155,6 +174,7 @@ def _pre_forward(handle: CPHandle, signature: inspect.Signature, module, args, k
         backend.handle_of(module)  # raises: unpickled or unpatched model
     handle.attention_calls = 0
     handle.loss_calls = 0
+    handle.documents = None
     call = signature.bind_partial(*args, **kwargs).arguments
     call = {**call.pop("kwargs", {}), **call}
     problem = _call_problem(handle, call) or _vocab_problem(module, call)

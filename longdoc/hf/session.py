@@ -121,6 +121,7 @@ class KVSession:
         self.state.mode, self.state.total, self.cache.append = "prefill", seq, True
         logits = self._forward(cp.shard(full, dim=1), positions, keep)[:, -1]
         self.cache.keep(torch.nonzero(positions < seq).flatten())  # drop the padding's K/V
+        self.state.key_positions = positions[positions < seq]  # in cache order: windows mask by position
         self.counts = [int((layouts.positions(padded, r, cp.size, cp.layout) < seq).sum()) for r in range(cp.size)]
         self.length, self.batch = seq, ids.shape[0]
         if cp.size > 1:
@@ -148,6 +149,8 @@ class KVSession:
             logits = self._forward(ids, positions, keep)
         finally:
             self.cache.append = True
+        if owner == self.cp.rank:
+            self.state.key_positions = torch.cat([self.state.key_positions, positions])
         self.counts[owner] += new
         self.length += new
         return logits
@@ -162,6 +165,7 @@ class KVSession:
         if length > self.length or any(c > now for c, now in zip(counts, self.counts)):
             raise ValueError(f"cannot roll back forward: mark {mark} is after the session's {self.mark()}")
         self.cache.truncate(counts[self.cp.rank])
+        self.state.key_positions = self.state.key_positions[:counts[self.cp.rank]]
         self.length, self.counts = length, list(counts)
 
     # ---- decoding ----
