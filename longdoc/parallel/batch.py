@@ -425,6 +425,15 @@ def _shard(fields: dict[str, Any], cp, pad_token_id: int, ignore_index: int,
     return local
 
 
+def source_index(batch: Mapping[str, Any], cp) -> torch.Tensor:
+    """(batch, local_len): the column of the FULL batch each local token of `shard_batch(batch, cp)` holds,
+    -1 for the internal padding (left-padded rows are rolled, packed rows laid out per document)."""
+    fields = _validated({k: v for k, v in batch.items() if k != "labels"}, -100, None)
+    x = fields["inputs"]
+    fields = {**fields, "key": "input_ids", "inputs": torch.arange(x.shape[1], device=x.device).expand(x.shape[:2])}
+    return _shard(fields, cp, -1, -100, None)["input_ids"]
+
+
 def documents_of(cu_seq_lens: torch.Tensor, bsz: int, seq_len: int) -> list[Packed]:
     """Per-row packed documents from the GLOBAL cu_seq_lens of a local batch (what shard_batch makes);
     seq_len is the full (padded) row length."""

@@ -176,7 +176,34 @@ def _rank_decode(rank: int, world_size: int) -> list[tuple]:
         same = bool(torch.equal(got.tokens, want_tokens))
         n = min(got.logits.shape[1], want_logits.shape[1])
         results.append((arch, same, (got.logits[:, :n] - want_logits[:, :n]).abs().max().item()))
+    results += _prefill_positions(cp)
     return results
+
+
+def _prefill_positions(cp) -> list[tuple]:
+    """Evaluation prefill at chosen positions of a left-padded and of a packed batch (Gemma 3, window 7)."""
+    import longdoc
+    from longdoc.hf.prefill import prefill
+
+    ref, model = family_pair("gemma3_text", dtype=torch.float64)
+    longdoc.patch(model, cp)
+    ids = torch.randint(0, 256, (2, LENGTH), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :LEAD] = 0
+    at = torch.tensor([[3, 20, LENGTH - 1], [LEAD, 20, LENGTH - 1]])  # real tokens of each row
+    got = prefill(model, cp, {"input_ids": ids, "attention_mask": mask}, positions=at)
+    err = 0.0
+    with torch.no_grad():
+        for r, (row, pos) in enumerate(_rows(ids, [0, LEAD])):
+            want = ref(input_ids=row[None], position_ids=pos[None]).logits[0]
+            err = max(err, (got[r] - want[at[r] - int(pos[0])]).abs().max().item())
+    docs = [ids[0, :11], ids[0, 11:12], ids[0, 12:]]
+    packed = {"input_ids": ids[:1], "position_ids": torch.cat([torch.arange(d.numel()) for d in docs])[None]}
+    at = torch.tensor([4, 11, 12, 30])
+    got = prefill(model, cp, packed, positions=at)[0]
+    with torch.no_grad():
+        want = torch.cat([ref(input_ids=d[None]).logits[0] for d in docs])[at]
+    return [("prefill left-padded", True, err), ("prefill packed", True, (got - want).abs().max().item())]
 
 
 def test_decoding_with_patterns_cp2_equals_single_process():
