@@ -191,3 +191,14 @@ def test_bad_batches_are_refused():
     shard_batch({"input_ids": ids, "position_ids": torch.arange(6).unsqueeze(0)}, cp)
     with pytest.raises(ValueError, match="the sequence is empty"):
         shard_batch({"input_ids": torch.ones(1, 0, dtype=torch.long)}, cp)
+
+
+def test_count_loss_tokens_matches_shard_batch():
+    from longdoc.parallel.batch import count_loss_tokens
+
+    ids = torch.arange(1, 13).view(2, 6)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]])
+    assert count_loss_tokens({"input_ids": ids, "labels": ids, "attention_mask": mask}) == 4 + 3
+    packed = {"input_ids": ids[:1], "labels": ids[:1], "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0]])}
+    assert count_loss_tokens(packed) == 3  # 2 + 1 + 0: no target across a document's end
+    assert int(shard_batch(packed, FakeCP(1, 2))["num_items_in_batch"]) == 3
