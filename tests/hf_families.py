@@ -42,6 +42,11 @@ FAMILIES: dict[str, dict[str, Any]] = {
                         intermediate_size_mlp=128, **_MOE),  # chunked local attention
     "afmoe": dict(_SLIDING, **_MOE),
     "cwm": dict(_SLIDING),
+    "modernbert-decoder": dict(_SLIDING, global_attn_every_n_layers=2, local_attention=WINDOW),
+    "gemma3n_text": dict(_SLIDING, num_kv_shared_layers=0, altup_num_inputs=2, laurel_rank=8,
+                         hidden_size_per_layer_input=8, vocab_size_per_layer_input=256,
+                         activation_sparsity_pattern=[0.0, 0.0]),
+    "qwen2": dict(sliding_window=WINDOW, use_sliding_window=True, max_window_layers=1),  # sliding layers last
     "mimo_v2_flash": dict(_SLIDING, **_MOE),  # window + sinks
     "flint": dict(_SLIDING, **_MOE),  # window + sinks
 }
