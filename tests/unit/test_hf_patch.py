@@ -202,6 +202,16 @@ def test_refuses_other_layer_kinds_and_unusable_chunks(cp):
              AutoModelForCausalLM.from_config(config), cp)
 
 
+@pytest.mark.parametrize("arch,overrides,kind,name", [
+    ("mamba", {}, "linear_attention", "MambaForCausalLM"),
+    ("qwen3_next", {}, "linear_attention", "Qwen3NextForCausalLM"),
+    ("lfm2", {"full_attn_idxs": [1]}, "conv", "Lfm2ForCausalLM"),
+])
+def test_refuses_state_space_linear_and_convolution_layers_by_name(cp, arch, overrides, kind, name):
+    config = AutoConfig.for_model(arch, **TINY, **overrides)
+    _refuses(rf"{name} uses layers of type '{kind}'", patch, AutoModelForCausalLM.from_config(config), cp)
+
+
 def test_chunked_attention_is_exact(cp):
     ref, model = _eager_pair("llama4_text", attention_chunk_size=6, no_rope_layers=[1, 0],
                              attn_temperature_tuning=False, intermediate_size_mlp=128, num_local_experts=2)
