@@ -9,6 +9,9 @@ threads, then one CP run with `ranks` ranks x 1 thread), so their ratios are com
   window/causal   = time(CP window) / time(CP causal)          target <= 0.35 (1k window, 16k tokens)
   E_window        = time(1 process, windowed) / time(CP window)
   E_packed        = time(1 process, each document on its own) / time(CP packed row)
+  E_*_1t          = time(1 process x 1 thread) / (ranks x time(CP)): a lower bound on E that does not
+                    depend on how well one process scales over threads (on a shared, oversubscribed
+                    machine small kernels on 2 threads can be many times slower than on 1)
   sinks, softcap  = time(CP causal with sinks or soft-capping) / time(CP causal)
   imbalance       = max / mean causal attention work over ranks for packed rows (pure arithmetic on
                     the layout: a token at document position p does p + 1 cells of work)
@@ -44,6 +47,8 @@ class PatternBenchConfig:
     repeats: int = 2
     dtype: str = "float32"
     seed: int = 0
+    single_variants: tuple[str, ...] = ("window", "packed", "causal", "window_1t", "packed_1t")
+    cp_variants: tuple[str, ...] = ("causal", "window", "sinks", "softcap", "packed")
 
 
 def mixed_doc_lens(total: int, max_doc: int, seed: int) -> tuple[int, ...]:
@@ -108,8 +113,14 @@ def _single(rank: int, world_size: int, cfg: PatternBenchConfig) -> dict[str, li
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         torch.autograd.grad(out, (q, k, v), dout)
 
-    return {"window": timed(windowed, cfg.repeats), "packed": timed(per_document, cfg.repeats),
-            "causal": timed(causal, cfg.repeats)}
+    steps = {"window": windowed, "packed": per_document, "causal": causal}
+    results = {}
+    threads = torch.get_num_threads()
+    for name in cfg.single_variants:
+        torch.set_num_threads(1 if name.endswith("_1t") else threads)
+        results[name] = timed(steps[name.removesuffix("_1t")], cfg.repeats)
+    torch.set_num_threads(threads)
+    return results
 
 
 def _cp(rank: int, world_size: int, cfg: PatternBenchConfig) -> dict[str, list[float]]:
@@ -126,7 +137,8 @@ def _cp(rank: int, world_size: int, cfg: PatternBenchConfig) -> dict[str, list[f
         "packed": ({"documents": docs}, docs),
     }
     results = {}
-    for name, (kwargs, packed) in variants.items():
+    for name in cfg.cp_variants:
+        kwargs, packed = variants[name]
         q, k, v = (cp.shard(t, dim=2, documents=packed).requires_grad_() for t in (q_full, k_full, v_full))
         dout = cp.shard(dout_full, dim=2, documents=packed)
 
@@ -144,14 +156,14 @@ def run(cfg: PatternBenchConfig) -> dict:
     cp = run_local(cfg.ranks, _cp, cfg, threads=1, deadline=7200, pg_timeout=1800)[0]
     med = {f"single/{k}": statistics.median(v) for k, v in single.items()}
     med |= {f"cp/{k}": statistics.median(v) for k, v in cp.items()}
-    ratios = {
-        "window_vs_causal": med["cp/window"] / med["cp/causal"],
-        "E_window": med["single/window"] / med["cp/window"],
-        "E_packed": med["single/packed"] / med["cp/packed"],
-        "E_causal": med["single/causal"] / med["cp/causal"],
-        "sinks_overhead": med["cp/sinks"] / med["cp/causal"],
-        "softcap_overhead": med["cp/softcap"] / med["cp/causal"],
+    wanted = {
+        "window_vs_causal": ("cp/window", "cp/causal", 1), "E_window": ("single/window", "cp/window", 1),
+        "E_window_1t": ("single/window_1t", "cp/window", cfg.ranks),
+        "E_packed": ("single/packed", "cp/packed", 1), "E_packed_1t": ("single/packed_1t", "cp/packed", cfg.ranks),
+        "E_causal": ("single/causal", "cp/causal", 1), "sinks_overhead": ("cp/sinks", "cp/causal", 1),
+        "softcap_overhead": ("cp/softcap", "cp/causal", 1),
     }
+    ratios = {k: med[a] / (n * med[b]) for k, (a, b, n) in wanted.items() if a in med and b in med}
     balance = {}
     for length in sorted({cfg.packed_len, cfg.seq_len}):
         for world_size in (2, 4):
@@ -160,6 +172,18 @@ def run(cfg: PatternBenchConfig) -> dict:
                             for i in range(cfg.rows))
                 balance[f"{length}/cp{world_size}/{layout}"] = worst
     return {"config": asdict(cfg), "median_s": med, "ratios": ratios, "imbalance": balance}
+
+
+_LABELS = {
+    "window_vs_causal": "window / causal (CP; target <= 0.35)",
+    "E_window": "E window (single-process windowed / CP)",
+    "E_window_1t": "E window, 1-thread bound (single x 1 thread / (ranks x CP))",
+    "E_packed": "E packed (each document on its own / CP packed row; target >= 0.90)",
+    "E_packed_1t": "E packed, 1-thread bound",
+    "E_causal": "E causal (SDPA / CP)",
+    "sinks_overhead": "sinks / causal (CP)",
+    "softcap_overhead": "softcap / causal (CP)",
+}
 
 
 def to_markdown(result: dict) -> str:
@@ -173,12 +197,7 @@ def to_markdown(result: dict) -> str:
         "|---|---:|",
         *(f"| {k} | {v:.3f} |" for k, v in t.items()),
         "",
-        f"window {cfg['window']} / causal (CP) = {r['window_vs_causal']:.3f} (target <= 0.35)",
-        f"E window (single-process windowed / CP) = {r['E_window']:.3f}",
-        f"E packed (each document on its own / CP packed row) = {r['E_packed']:.3f} (target >= 0.90)",
-        f"E causal (SDPA / CP) = {r['E_causal']:.3f}",
-        f"sinks / causal = {r['sinks_overhead']:.3f}; softcap {cfg['softcap']:g} / causal = "
-        f"{r['softcap_overhead']:.3f}",
+        *(f"{_LABELS[k]} = {v:.3f}" for k, v in r.items()),
         "",
         f"Packed rows, documents of 1..{cfg['max_doc']} tokens (log-uniform), worst of {cfg['rows']} rows: "
         "imbalance = max/mean causal work over ranks (target <= 1.05)",

@@ -255,10 +255,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextPara
           with documents, counted from each document's start (each document as if run on its own).
       softcap: float > 0, scores s become softcap * tanh(s / softcap) before masking (Gemma 2).
       sinks: tensor (q_heads,), a learned logit per head in every row's softmax denominator (GPT-OSS);
-          any float dtype; gets a gradient.
+          any float dtype; gets a gradient, this rank's share: summed over the CP group (as the gradient
+          all-reduce does for every parameter) it is the full gradient.
       documents: a packed row, `cp.pack(doc_lens)` (or the list of document lengths, in order, summing
-          to the full length): tokens attend only within their document. Shard such rows with
-          `cp.shard(x, dim, documents=...)`: with the zigzag layout each document is zigzagged over the ranks.
+          to the full length, padding included), shared by every row of the batch: tokens attend only
+          within their document. Shard such rows with `cp.shard(x, dim, documents=...)`: with the
+          zigzag layout each document is zigzagged over the ranks (layout.Packed).
     Patterns combine (e.g. window + documents + sinks). Blocks a pattern hides are never computed.
     """
     pattern, pattern_meta = patterns_meta.build(q, window, chunk_size, softcap, sinks, documents)

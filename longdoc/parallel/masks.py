@@ -160,12 +160,14 @@ def _edge(out: list[Block], qa: int, qb: int, ka: int, kb: int, q_off: int, k_of
 def plan(q_runs: tuple[Run, ...], k_runs: tuple[Run, ...], seq_len: int, pattern: Pattern) -> tuple[Block, ...]:
     """Blocks of (queries in q_runs) x (keys in k_runs), in local row / col indices; see the module doc."""
     cuts = boundaries(seq_len, pattern)
-    kp = _pieces(k_runs, cuts)
+    by_segment: dict[int, list[tuple[int, int, int, int]]] = {}
+    for piece in _pieces(k_runs, cuts):  # grouped, so packed rows of many documents plan in linear time
+        by_segment.setdefault(piece[3], []).append(piece)
     tile = tile_size(pattern.window)
     out: list[Block] = []
     for qa, qb, q_off, seg in _pieces(q_runs, cuts):
-        for ka, kb, k_off, kseg in kp:
-            if kseg != seg or (pattern.causal and ka > qb - 1):
+        for ka, kb, k_off, _ in by_segment.get(seg, ()):
+            if pattern.causal and ka > qb - 1:
                 continue
             if pattern.window is not None and kb - 1 < qa - pattern.window + 1:
                 continue
