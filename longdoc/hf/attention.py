@@ -29,6 +29,7 @@ import torch
 
 from longdoc.hf import decode
 from longdoc.parallel.api import ContextParallel, attention
+from longdoc.parallel.batch import documents_of
 
 NAME = "longdoc_cp"
 
@@ -75,6 +76,7 @@ class CPHandle:
         self.session: Session | None = None
         self.attention_calls = 0  # in the current forward, checked after it
         self.documents: tuple | None = None  # per row Packed of the current forward (packed rows), or None
+        self.documents_from: torch.Tensor | None = None  # the cu_seq_lens_q tensor `documents` was read from
         self.loss_calls = 0
         self.restore: tuple | None = None  # (attn implementation, had own loss_function, that loss_function)
 
@@ -312,9 +314,10 @@ def _problem(handle: CPHandle, module, query, key, attention_mask, dropout, is_c
     if kwargs.get("output_attentions"):
         return ("output_attentions=True", "attention weights are never materialized under CP; "
                 "call the model without output_attentions")
-    if mode == "train" and kwargs.get("cu_seq_lens_q") is not None and handle.documents is None:
-        return ("cu_seq_lens_q that the patched model's forward did not receive",
-                "pass packed rows to the model itself (cp.shard_batch output), not to its inner modules")
+    cu = kwargs.get("cu_seq_lens_q")
+    if mode == "train" and cu is not None and handle.documents is None and not torch.is_tensor(cu):
+        return (f"cu_seq_lens_q of unsupported form ({type(cu).__name__})",
+                "pass packed rows built by cp.shard_batch (global document boundaries as a 1-D tensor)")
     return None
 
 
@@ -347,7 +350,7 @@ def cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
     query, key, value = pad_head_dims(query, key, value)
     session = handle.session
     if session is None:
-        out = _train_attention(handle, query, key, value, scaling, pattern)
+        out = _train_attention(handle, query, key, value, scaling, pattern, kwargs.get("cu_seq_lens_q"))
     elif session.mode == "prefill":
         out = attention(query, key, value, session.cp, causal=True, scale=scaling, strategy=session.strategy,
                         **pattern.kwargs())
@@ -360,8 +363,21 @@ def cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
     return out[..., :v_dim].transpose(1, 2).contiguous(), None
 
 
-def _train_attention(handle: CPHandle, query, key, value, scaling: float, pattern: LayerPattern) -> torch.Tensor:
-    docs = handle.documents
+def _documents(handle: CPHandle, cu: torch.Tensor | None, bsz: int, local_len: int) -> tuple | None:
+    """This call's packed documents: from its own cu_seq_lens_q when the model passes it down (so an
+    activation-checkpointing recompute after another forward still sees its own batch's documents), else
+    from the forward pre-hook."""
+    if cu is None or cu is handle.documents_from:
+        return handle.documents
+    docs = tuple(documents_of(cu, bsz, local_len * handle.cp.size))
+    for d in docs:
+        d.check(handle.cp.size)
+    return docs
+
+
+def _train_attention(handle: CPHandle, query, key, value, scaling: float, pattern: LayerPattern,
+                     cu: torch.Tensor | None = None) -> torch.Tensor:
+    docs = _documents(handle, cu, query.shape[0], query.shape[2])
     run = functools.partial(attention, cp=handle.cp, causal=True, scale=scaling, strategy=handle.strategy,
                             **pattern.kwargs())
     if docs is None:

@@ -118,7 +118,7 @@ def _call_problem(handle: CPHandle, call: dict) -> tuple[str, str] | None:
         if pos.shape != expected.shape or not bool((pos == expected).all()):
             return _Input("position_ids that are not this rank's positions within its packed documents",
                           "pass the position_ids made by cp.shard_batch for the packed batch")
-        handle.documents = tuple(docs)
+        handle.documents, handle.documents_from = tuple(docs), cu
     else:
         chunks = len(layouts.chunk_ids(cp.layout, 0, cp.size))
         if local_len % chunks:
@@ -174,7 +174,7 @@ def _pre_forward(handle: CPHandle, signature: inspect.Signature, module, args, k
         backend.handle_of(module)  # raises: unpickled or unpatched model
     handle.attention_calls = 0
     handle.loss_calls = 0
-    handle.documents = None
+    handle.documents = handle.documents_from = None
     call = signature.bind_partial(*args, **kwargs).arguments
     call = {**call.pop("kwargs", {}), **call}
     problem = _call_problem(handle, call) or _vocab_problem(module, call)

@@ -110,6 +110,12 @@ def _rank_families(rank: int, world_size: int, archs: tuple[str, ...]) -> list[t
         longdoc.patch(model, cp)
         results.append((arch, "unpacked+left-pad", *_unpacked(ref, model, cp, seed=10 + i)))
         results.append((arch, "packed", *_packed(ref, model, cp, seed=50 + i)))
+    # activation checkpointing: the recompute in backward sees its own batch's documents
+    ref, model = family_pair("gemma3_text")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    longdoc.patch(model, cp)
+    results.append(("gemma3_text", "packed+checkpointing", *_packed(ref, model, cp, seed=70)))
     # the other strategy and layout, on two families that bring windows, sinks and soft-capping
     contiguous = longdoc.ContextParallel(layout="contiguous", timeout=60)
     for arch in ("gpt_oss", "gemma2"):
@@ -131,7 +137,7 @@ def _check(per_rank: list[list[tuple]]) -> None:
 
 def test_families_cp2():
     per_rank = run_ranks(2, _rank_families, tuple(FAMILIES), deadline=600, pg_timeout=60)
-    assert len(per_rank[0]) == 2 * len(FAMILIES) + 4
+    assert len(per_rank[0]) == 2 * len(FAMILIES) + 5
     _check(per_rank)
 
 
@@ -209,5 +215,12 @@ def _prefill_positions(cp) -> list[tuple]:
 def test_decoding_with_patterns_cp2_equals_single_process():
     per_rank = run_ranks(2, _rank_decode, deadline=600, pg_timeout=60)
     for results in per_rank:
+        for arch, same, logit_err in results:
+            assert same and logit_err <= 1e-5, (arch, same, logit_err)
+
+
+@pytest.mark.slow
+def test_decoding_with_patterns_cp3_equals_single_process():
+    for results in run_ranks(3, _rank_decode, deadline=900, pg_timeout=60):
         for arch, same, logit_err in results:
             assert same and logit_err <= 1e-5, (arch, same, logit_err)
