@@ -126,10 +126,15 @@ def _call_problem(handle: CPHandle, call: dict) -> tuple[str, str] | None:
                           f"chunks per rank; build the local batch with cp.shard_batch, which pads")
         # Each row: this rank's global positions plus one offset >= 0 (a row numbered from another start,
         # such as a left-padded row that cp.shard_batch rolled to the right, every token keeping its id).
+        bad = _Input("position_ids that are not this rank's global positions",
+                     "pass the position_ids made by cp.shard_batch (it handles packed rows and left padding)")
+        if pos.shape[-1] != local_len:
+            return bad
         offset = pos - cp.positions(global_len, device=pos.device)
-        if pos.shape[-1] != local_len or not bool((offset == offset[..., :1]).all()) or bool((offset < 0).any()):
-            return _Input("position_ids that are not this rank's global positions",
-                    "pass the position_ids made by cp.shard_batch (it handles packed rows and left padding)")
+        if not bool((offset == offset[..., :1]).all()) or bool((offset < 0).any()):
+            return bad
+        if offset.numel():
+            global_len += int(offset.max())  # the largest position id + 1, for the RoPE threshold below
     if call.get("labels") is not None and call.get("shift_labels") is None:
         return _Input("labels without shift_labels", "labels must be shifted over the FULL sequence before sharding; "
                 "build the batch with cp.shard_batch (it passes shift_labels and num_items_in_batch)")
