@@ -253,8 +253,11 @@ def _generate_call(hf, args: tuple, kwargs: dict) -> tuple[dict, str | None]:
     if call.get("max_new_tokens") is None and getattr(hf.generation_config, "max_new_tokens", None) is None:
         return call, "no max_new_tokens"
     mask = call.get("attention_mask")
-    if mask is not None and not bool(torch.as_tensor(mask).all()):
-        return call, "an attention_mask with padding (prompts of unequal length)"
+    if mask is not None:
+        try:
+            sessions.left_padding(mask, tuple(ids.shape))
+        except (ValueError, RuntimeError):
+            return call, "an attention_mask that is not left padding (padding_side='left')"
     return call, None
 
 
@@ -272,8 +275,8 @@ def _generate(handle: CPHandle, hf, *args, **kwargs) -> torch.Tensor:
             problem = f"arguments CP rank {bad[0]} cannot run (its error says which)"
     if problem is not None:
         raise CPInputError(f"longdoc.patch: model.generate on {handle.model_name} under context parallelism got "
-                           f"{problem}; it supports {', '.join(_GENERATE_ARGS)} (attention_mask all ones, the same "
-                           f"prompt on every rank). For anything else call {GENERATE_CALL}")
+                           f"{problem}; it supports {', '.join(_GENERATE_ARGS)} (attention_mask with left "
+                           f"padding, the same prompt on every rank). For anything else call {GENERATE_CALL}")
     config = hf.generation_config
 
     def pick(name: str):
@@ -285,7 +288,8 @@ def _generate(handle: CPHandle, hf, *args, **kwargs) -> torch.Tensor:
     out = sessions.generate(hf, cp, ids, int(pick("max_new_tokens")), eos_token_id=eos, do_sample=sample,
                             temperature=(pick("temperature") or 1.0) if sample else 1.0,
                             top_p=(pick("top_p") or 1.0) if sample else 1.0,
-                            top_k=(pick("top_k") or None) if sample else None, strategy=handle.strategy)
+                            top_k=(pick("top_k") or None) if sample else None, strategy=handle.strategy,
+                            attention_mask=call.get("attention_mask"))
     tokens = out.tokens.to(ids.device)
     if eos is not None and pad is not None:
         # transformers fills a finished row with pad_token_id after its EOS (the session repeats the EOS)

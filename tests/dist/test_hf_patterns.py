@@ -183,6 +183,15 @@ def _rank_decode(rank: int, world_size: int) -> list[tuple]:
         n = min(got.logits.shape[1], want_logits.shape[1])
         results.append((arch, same, (got.logits[:, :n] - want_logits[:, :n]).abs().max().item()))
     results += _prefill_positions(cp)
+    # left-padded prompts of unequal length: each decodes as it does alone (pads see nothing)
+    ref, model = family_pair("gemma3_text", dtype=torch.float64)
+    ids = torch.randint(0, 256, (2, PROMPT), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones_like(ids)
+    mask[1, :LEAD] = 0
+    got = longdoc.hf.generate(model, cp, ids, NEW, attention_mask=mask)
+    for r, n in enumerate((0, LEAD)):
+        want, _ = _greedy_reference(ref, ids[r:r + 1, n:], NEW)
+        results.append((f"left-padded generate row {r}", bool(torch.equal(got.tokens[r:r + 1], want)), 0.0))
     return results
 
 
