@@ -68,11 +68,15 @@ def pattern_mask(seq_len: int, causal: bool = True, window: int | None = None, c
         vis &= j <= i
     if window is not None:
         vis &= j > i - window
-    if chunk_size is not None:
-        vis &= (i // chunk_size) == (j // chunk_size)
     if doc_lens is not None:
         doc = torch.repeat_interleave(torch.arange(len(doc_lens)), torch.tensor(doc_lens))
         vis &= doc.unsqueeze(1) == doc.unsqueeze(0)
+    if chunk_size is not None:
+        # chunks count from each document's start (a packed row means every document on its own)
+        start = torch.tensor([0, *doc_lens]).cumsum(0)[:-1].repeat_interleave(torch.tensor(doc_lens)) \
+            if doc_lens is not None else torch.zeros(seq_len, dtype=torch.long)
+        pos = torch.arange(seq_len) - start
+        vis &= (pos.unsqueeze(1) // chunk_size) == (pos.unsqueeze(0) // chunk_size)
     return vis
 
 

@@ -22,7 +22,9 @@ class FakeCP:
     def multiple(self) -> int:
         return layout.num_chunks(self.layout, self.size)
 
-    def shard(self, x, dim=1):
+    def shard(self, x, dim=1, documents=None):
+        if documents is not None:
+            return documents.shard(x, dim, self.rank, self.size, self.layout)
         return layout.shard(x, dim, self.rank, self.size, self.layout)
 
     def positions(self, seq_len, device=None):

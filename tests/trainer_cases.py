@@ -123,7 +123,14 @@ def run_trainer(case: dict, out: str, cp_size: int | None, dp: int = 1, resume: 
         base = Trainer if cp_size is None else CPTrainer
         if case.get("metrics"):
             extra.update(compute_metrics=token_accuracy, preprocess_logits_for_metrics=argmax_logits)
-        trainer = base(model=model, args=TrainingArguments(**common), data_collator=collate,
+        collator = collate
+        if case.get("packed") and cp_size is not None:
+            # the same batches flattened into one packed row each: exact document masking must give the
+            # reference's (right-padded, one document per row) loss, grad_norm and eval_loss
+            from transformers import DataCollatorWithFlattening
+
+            collator = DataCollatorWithFlattening()
+        trainer = base(model=model, args=TrainingArguments(**common), data_collator=collator,
                        train_dataset=rows(TRAIN_LENGTHS, 0), eval_dataset=rows(EVAL_LENGTHS, 1), **extra)
     trainer.train(resume_from_checkpoint=resume or None)
     logs = [(h["step"], h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]

@@ -92,3 +92,8 @@ def train_on_ranks(rank: int, world_size: int, recipe: dict, overrides: list[str
     torch.optim.AdamW.step = recording_step
     result = train(recipe_from_dict(recipe, overrides))
     return [(s.step, s.loss, s.tokens, s.grad_norm) for s in result.history], grads
+
+
+def max_rel_err(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-30)) for k in b)

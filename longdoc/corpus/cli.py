@@ -48,7 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--overlap", type=int, default=None, help="overlap of windows over long documents "
                    "(default: target/8)")
     q.add_argument("--pack", action="store_true", help="pack short documents into one row (pretrain; off by "
-                   "default: packed documents attend to each other until document masking exists)")
+                   "default; under `longdoc train` each document attends only to itself and keeps its own positions)")
     q.add_argument("--no-chat-template", action="store_true", help="qa: plain-text prompt even if the "
                    "tokenizer has a chat template")
     for name, default in (("text", None), ("document", "document"), ("question", "question"),

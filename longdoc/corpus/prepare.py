@@ -14,8 +14,8 @@ doc_pieces (the document token ranges shown). See data/README.md for the details
 
 - pretrain: whole documents (+ EOS); longer than the target -> windows of exactly `target_tokens`
   overlapping by `overlap` (default target/8), each token scored once. Packing short documents into
-  one row (`pack=True`) is OFF by default: until a document-masking attention exists, packed
-  documents attend to each other. Rows record the boundaries so that attention can use them later.
+  one row (`pack=True`) is off by default; packed rows record their documents (position_ids restarting
+  at 0, cu_seqlens) and `longdoc train` masks them: each document attends only to itself.
 - qa: prompt (chat template when the tokenizer has one) + document + several question -> answer
   turns, loss on every answer's tokens only. `questions_per_row` (default None: all that fit) caps the
   questions of a row; a document whose questions do not all fit gives several rows. A document that

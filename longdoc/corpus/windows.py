@@ -3,7 +3,7 @@
 Conventions of every row (see data/README.md):
 - `labels` are NOT shifted (the HF layer shifts them before sharding); -100 means no loss.
 - `position_ids` restart at 0 for every document segment of a row; `cu_seqlens` are the segment
-  boundaries ([0, len] for one segment), for a future document-masking attention.
+  boundaries ([0, len] for one segment); `longdoc train` masks packed documents from them.
 - Overlapping windows mask the tokens an earlier window already scored, so each document token is
   scored exactly once however the windows overlap.
 """

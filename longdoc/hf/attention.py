@@ -10,38 +10,41 @@ One attention function, one per-call checker, dispatched by the handle's mode:
                      over the sharded sequence (`longdoc.parallel.api.attention`);
   "prefill"/"extend" inside a `KVSession` (longdoc.hf.session): the prompt's CP prefill, then new
                      tokens over every rank's cache shard (`longdoc.hf.decode.extend_attention`).
-The mask function builds nothing: the only pattern computed is plain causal attention over the global
-sequence, and right padding needs no mask for the tokens that count (a real token never sees a pad
-after it). Everything else that would change the result is refused at call time, naming the feature.
+Every layer's attention pattern goes to the CP core, read per call (`layer_pattern`): its sliding
+window (the `sliding_window` argument or the module's attribute), Llama 4's chunked attention (the
+layer's type in config.layer_types and config.attention_chunk_size: the call carries no chunk
+argument), logit soft-capping (`softcap`), attention sinks (`s_aux` / `sinks`), and, for packed
+rows, the documents the forward pre-hook read from the call's `cu_seq_lens_q` (cp.shard_batch makes
+them). The mask function builds nothing: those patterns are computed in global positions by the core,
+and right padding needs no mask for the tokens that count (cp.shard_batch turns left padding into
+right padding). Everything else that would change the result is refused at call time, naming the feature.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from longdoc.hf import decode
 from longdoc.parallel.api import ContextParallel, attention
+from longdoc.parallel.batch import documents_of
 
 NAME = "longdoc_cp"
 
 # Keyword arguments some transformers models pass to their attention function that change the
 # result in ways CP does not compute: name -> the feature, for the error message.
 _UNSUPPORTED_KWARGS = {
-    "softcap": "attention logit soft-capping",
     "position_bias": "an additive position bias (ALiBi / relative position bias)",
     "alibi": "ALiBi position bias",
-    "s_aux": "attention sinks",
-    "sinks": "attention sinks",
-    "cu_seq_lens_q": "packed variable-length sequences (cu_seq_lens)",
-    "cu_seq_lens_k": "packed variable-length sequences (cu_seq_lens)",
-    "cu_seqlens": "packed variable-length sequences (cu_seqlens)",
+    "cu_seqlens": "packed variable-length sequences given as cu_seqlens (pass position_ids restarting at 0 "
+                  "per document to cp.shard_batch instead)",
 }
 
-# Layer kinds whose attention is plain causal (sliding windows are checked against the length per call);
-# the MLP kinds carry no attention at all.
-_SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention", "dense", "sparse", "moe"}
+# Layer kinds whose attention the CP core computes (full causal, sliding window, Llama 4 chunks); the MLP
+# kinds carry no attention at all. Anything else (linear attention, SSM, convolutions) is refused by name.
+_SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "dense", "sparse", "moe"}
 
 
 @dataclass
@@ -52,7 +55,10 @@ class Session:
     strategy: str
     mode: str = "idle"  # "prefill" | "extend" once the session has made a call
     appending: bool = True  # this rank stores the new tokens of the current extend call
-    total: int = 0  # global length after the current call, for the sliding-window check
+    total: int = 0  # global length after the current call
+    # global positions of the tokens this rank has cached before the current extend call: the window and
+    # chunk masks of decoded tokens are functions of global positions
+    key_positions: torch.Tensor | None = None
 
 
 class CPHandle:
@@ -69,6 +75,8 @@ class CPHandle:
         self.patched = patched
         self.session: Session | None = None
         self.attention_calls = 0  # in the current forward, checked after it
+        self.documents: tuple | None = None  # per row Packed of the current forward (packed rows), or None
+        self.documents_from: torch.Tensor | None = None  # the cu_seq_lens_q tensor `documents` was read from
         self.loss_calls = 0
         self.restore: tuple | None = None  # (attn implementation, had own loss_function, that loss_function)
 
@@ -129,28 +137,38 @@ def _configs(config) -> list:
 
 
 def check_config(config, name: str) -> None:
-    """Refuse, by name, config features that make attention differ from plain causal SDPA."""
+    """Refuse, by name, config features that make attention differ from what the CP core computes."""
     for c in _configs(config):
         if not getattr(c, "is_causal", True) or getattr(c, "use_bidirectional_attention", False):
             raise refuse(name, "non-causal (bidirectional) attention",
                          "context parallelism here covers causal language models only")
-        if getattr(c, "attn_logit_softcapping", None) is not None:
-            raise refuse(name, f"attention logit soft-capping (attn_logit_softcapping={c.attn_logit_softcapping})",
-                         "set config.attn_logit_softcapping = None only if you accept a different model")
         if (getattr(c, "alibi", False) or getattr(c, "position_embedding_type", None) == "alibi"
                 or getattr(c, "model_type", None) in ("bloom", "mpt")):
             raise refuse(name, "ALiBi position biases", "use a RoPE or absolute-position model")
-        if getattr(c, "attention_chunk_size", None) is not None:
-            raise refuse(name, f"chunked local attention (attention_chunk_size={c.attention_chunk_size})",
-                         "use a model with full causal attention")
-        kinds = sorted(set(getattr(c, "layer_types", None) or ()) - _SUPPORTED_LAYER_TYPES)
+        types = list(getattr(c, "layer_types", None) or ())
+        kinds = sorted(set(types) - _SUPPORTED_LAYER_TYPES)
         if kinds:
-            raise refuse(name, f"layers of type {', '.join(map(repr, kinds))}",
-                         "only full (and long-enough sliding-window) causal attention layers are supported")
+            raise refuse(name, f"layers of type {', '.join(map(repr, kinds))} (linear attention, state-space or "
+                         f"convolution layers have no attention pattern the CP core computes)",
+                         "only full, sliding-window and chunked causal attention layers are supported")
+        if "chunked_attention" in types and not _positive_int(getattr(c, "attention_chunk_size", None)):
+            raise refuse(name, f"chunked attention layers without a valid attention_chunk_size "
+                         f"({getattr(c, 'attention_chunk_size', None)!r})", "set config.attention_chunk_size")
+        no_rope = getattr(c, "no_rope_layers", None)
+        if getattr(c, "attn_temperature_tuning", False) and no_rope is not None and not all(no_rope):
+            # Llama 4 scales the queries of its NoPE layers by a function of the LOCAL token index
+            # (torch.arange over the call's tokens), which differs on every CP rank.
+            raise refuse(name, "attention temperature tuning on NoPE layers (attn_temperature_tuning=True)",
+                         "it scales queries by the token's index in the call, not its position; set "
+                         "config.attn_temperature_tuning = False only if you accept a different model")
         if getattr(c, "output_router_logits", False):
             raise refuse(name, "the MoE router auxiliary loss (output_router_logits=True)",
                          "it is a non-linear function of whole-sequence router statistics; "
                          "set config.output_router_logits = False")
+
+
+def _positive_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
 
 
 def rope_limit(config) -> tuple[str, int] | None:
@@ -219,6 +237,51 @@ def check_all_layers(handle: CPHandle, n_layers: int) -> None:
 
 # ---- the per-call checker and the attention function ----
 
+@dataclass(frozen=True)
+class LayerPattern:
+    """One layer's attention pattern, as longdoc.attention takes it (None = absent)."""
+
+    window: int | None = None
+    chunk_size: int | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+
+    def kwargs(self) -> dict:
+        return {"window": self.window, "chunk_size": self.chunk_size, "softcap": self.softcap, "sinks": self.sinks}
+
+
+def _layer_type(handle: CPHandle, module) -> str | None:
+    text = handle.config.get_text_config() if handle.config is not None else None
+    types = getattr(text, "layer_types", None)
+    idx = getattr(module, "layer_idx", None)
+    if not types or idx is None or not 0 <= idx < len(types):
+        return None
+    return types[idx]
+
+
+def layer_pattern(handle: CPHandle, module, kwargs: dict) -> LayerPattern | tuple[str, str]:
+    """This call's pattern, or (feature, fix) when it is one the CP core does not compute."""
+    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+    if window is not None and not _positive_int(window):
+        return f"a sliding window of unsupported form ({window!r})", "use an int window >= 1 (or none)"
+    chunk = None
+    text = handle.config.get_text_config() if handle.config is not None else None
+    if "chunked_attention" in (getattr(text, "layer_types", None) or ()):
+        kind = _layer_type(handle, module)
+        if kind is None:
+            return ("chunked attention layers whose attention module has no layer_idx",
+                    "the layer's type (config.layer_types) decides its chunking; run this model without CP")
+        chunk = text.attention_chunk_size if kind == "chunked_attention" else None
+    softcap = kwargs.get("softcap")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
+        return f"logit soft-capping of unsupported form ({softcap!r})", "use a positive float softcap"
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    if sinks is not None and (not torch.is_tensor(sinks) or sinks.dim() != 1):
+        return (f"attention sinks of unsupported form ({type(sinks).__name__})",
+                "sinks must be a (q_heads,) tensor, one logit per query head")
+    return LayerPattern(window, chunk, float(softcap) if softcap is not None else None, sinks)
+
+
 def _problem(handle: CPHandle, module, query, key, attention_mask, dropout, is_causal,
              kwargs) -> tuple[str, str] | None:
     """(feature, fix) when this attention call asks for something the current mode does not compute."""
@@ -229,8 +292,8 @@ def _problem(handle: CPHandle, module, query, key, attention_mask, dropout, is_c
             return (f"an attention mask {shape}",
                     "generate from unpadded prompts (one prompt, or prompts of equal length) without a mask")
         return (f"a custom {len(shape)}-D attention mask {shape}",
-                "pass a 2-D right-padding attention_mask (or none) and let cp.shard_batch build the batch; "
-                "packed or block-diagonal masks are not supported under CP")
+                "pass a 2-D padding attention_mask (or none) and let cp.shard_batch build the batch; for packed "
+                "documents pass position_ids restarting at 0 per document (DataCollatorWithFlattening's format)")
     if mode != "extend" and key.shape[2] != query.shape[2]:
         return (f"attention over a KV cache or other keys ({key.shape[2]} keys for {query.shape[2]} queries)",
                 "call the model with use_cache=False and no past cache; to decode, use "
@@ -251,23 +314,10 @@ def _problem(handle: CPHandle, module, query, key, attention_mask, dropout, is_c
     if kwargs.get("output_attentions"):
         return ("output_attentions=True", "attention weights are never materialized under CP; "
                 "call the model without output_attentions")
-    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-    if window is None:
-        return None
-    if not isinstance(window, int):
-        return f"a sliding window of unsupported form ({window!r})", "use full causal attention"
-    # HF's sliding overlay lets query i see key j when i - j < window: that is plain causal attention
-    # exactly when the whole (padded) sequence fits in the window.
-    if mode == "train":
-        cp = handle.cp
-        length = query.shape[2] * cp.size
-        if length > window:
-            return (f"sliding-window attention (window {window} < sequence length {length}, the length "
-                    f"padded to a multiple of cp.multiple={cp.multiple})",
-                    f"use sequences of at most {window} tokens (padded), or a model without sliding-window layers")
-    elif handle.session.total > window:
-        return (f"sliding-window attention (window {window} < sequence length {handle.session.total})",
-                "keep prompt plus generated tokens within the window")
+    cu = kwargs.get("cu_seq_lens_q")
+    if mode == "train" and cu is not None and handle.documents is None and not torch.is_tensor(cu):
+        return (f"cu_seq_lens_q of unsupported form ({type(cu).__name__})",
+                "pass packed rows built by cp.shard_batch (global document boundaries as a 1-D tensor)")
     return None
 
 
@@ -289,6 +339,9 @@ def cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
     `sdpa_attention_forward`; exact CP attention, or decoding over the sharded cache (see the module doc)."""
     handle = handle_of(module)
     problem = _problem(handle, module, query, key, attention_mask, dropout, is_causal, kwargs)
+    pattern = layer_pattern(handle, module, kwargs) if problem is None else None
+    if isinstance(pattern, tuple):
+        problem = pattern
     if problem is not None:
         raise refuse(handle.model_name, *problem)
 
@@ -303,14 +356,43 @@ def cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
     query, key, value = pad_head_dims(query, key, value)
     session = handle.session
     if session is None:
-        out = attention(query, key, value, handle.cp, causal=True, scale=scaling, strategy=handle.strategy)
+        out = _train_attention(handle, query, key, value, scaling, pattern, kwargs.get("cu_seq_lens_q"))
     elif session.mode == "prefill":
-        out = attention(query, key, value, session.cp, causal=True, scale=scaling, strategy=session.strategy)
+        out = attention(query, key, value, session.cp, causal=True, scale=scaling, strategy=session.strategy,
+                        **pattern.kwargs())
     else:
-        out = decode.extend_attention(query, key, value, session.cp, scaling, session.appending)
+        out = decode.extend_attention(query, key, value, session.cp, scaling, session.appending,
+                                      pattern=pattern, start=session.total - query.shape[2],
+                                      key_positions=session.key_positions)
     handle.attention_calls += 1
     # (batch, q_heads, len, head_dim) -> (batch, len, q_heads, v_dim), what HF modules expect
     return out[..., :v_dim].transpose(1, 2).contiguous(), None
+
+
+def _documents(handle: CPHandle, cu: torch.Tensor | None, bsz: int, local_len: int) -> tuple | None:
+    """This call's packed documents: from its own cu_seq_lens_q when the model passes it down (so an
+    activation-checkpointing recompute after another forward still sees its own batch's documents), else
+    from the forward pre-hook."""
+    if cu is None or cu is handle.documents_from:
+        return handle.documents
+    docs = tuple(documents_of(cu, bsz, local_len * handle.cp.size))
+    for d in docs:
+        d.check(handle.cp.size)
+    return docs
+
+
+def _train_attention(handle: CPHandle, query, key, value, scaling: float, pattern: LayerPattern,
+                     cu: torch.Tensor | None = None) -> torch.Tensor:
+    docs = _documents(handle, cu, query.shape[0], query.shape[2])
+    run = functools.partial(attention, cp=handle.cp, causal=True, scale=scaling, strategy=handle.strategy,
+                            **pattern.kwargs())
+    if docs is None:
+        return run(query, key, value)
+    if all(d == docs[0] for d in docs):
+        return run(query, key, value, documents=docs[0])
+    # Rows packed differently are zigzagged differently: one CP attention per row (every rank loops alike).
+    return torch.cat([run(query[b:b + 1], key[b:b + 1], value[b:b + 1], documents=docs[b])
+                      for b in range(query.shape[0])], dim=0)
 
 
 def cp_mask(batch_size: int, q_length: int, kv_length: int, *args, **kwargs) -> None:

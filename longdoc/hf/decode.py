@@ -11,7 +11,9 @@ How a decode step works (every rank runs the same calls, in lockstep):
             tokens (lowest rank on a tie); every rank derives the owner from the same counts. In each layer
             a rank attends the new queries to its cache shard (causally among the new tokens on the owner),
             giving a partial (out, lse); the small partials are all-gathered and merged by log-sum-exp in
-            rank order, identically on every rank.
+            rank order, identically on every rank. A layer's pattern (sliding window, Llama 4 chunks,
+            soft-capping) masks each cached key by its GLOBAL position, which the session tracks per
+            rank; attention sinks are folded once into the merged result, after the all-gather.
   choose    greedy argmax, or a sample drawn by inverse CDF from a seeded generator; rank 0's choice is
             used by every rank (see longdoc.hf.session), so ranks never diverge on a rounding tie.
 """
@@ -72,22 +74,71 @@ def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     return out.to(acc), lse.to(acc)
 
 
+_KEY_TILE = 8192  # cached keys per score tile in the masked path: memory stays bounded at any length
+
+
+def _masked_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                    scale: float, pattern) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of q (batch, q_heads, new, d) at global positions q_pos over keys k/v (batch, kv_heads,
+    m, d) at global positions k_pos under the layer's causal window / chunk / soft-cap, in the accumulator
+    dtype; a row that sees no key gives (0, -inf)."""
+    acc = kernels.lse_dtype(q.dtype)
+    b, hq, n, d = q.shape
+    hkv = k.shape[1]
+    qg = q.to(acc).reshape(b, hkv, hq // hkv, n, d)  # (batch, kv_heads, group, new, head_dim)
+    out = q.new_zeros((b, hkv, hq // hkv, n, v.shape[-1]), dtype=acc)
+    lse = q.new_full((b, hkv, hq // hkv, n), float("-inf"), dtype=acc)
+    for start in range(0, k.shape[2], _KEY_TILE):
+        kt = k[:, :, start:start + _KEY_TILE].to(acc).unsqueeze(2)  # (batch, kv_heads, 1, tile, head_dim)
+        vt = v[:, :, start:start + _KEY_TILE].to(acc).unsqueeze(2)
+        kp = k_pos[start:start + _KEY_TILE].view(1, -1)
+        qp = q_pos.view(-1, 1)
+        hidden = kp > qp  # (new, tile)
+        if pattern.window is not None:
+            hidden |= kp <= qp - pattern.window
+        if pattern.chunk_size is not None:
+            hidden |= kp // pattern.chunk_size != qp // pattern.chunk_size
+        s = torch.matmul(qg, kt.transpose(-1, -2)) * scale
+        if pattern.softcap is not None:
+            s = pattern.softcap * torch.tanh(s / pattern.softcap)
+        s = s.masked_fill(hidden, float("-inf"))
+        t_lse = torch.logsumexp(s, dim=-1)
+        safe = torch.where(torch.isinf(t_lse), torch.full_like(t_lse, float("inf")), t_lse)
+        t_out = torch.matmul(torch.exp(s - safe.unsqueeze(-1)), vt)  # seen-nothing rows: exp(-inf) = 0
+        out, lse = blocks.merge(out, lse, t_out, t_lse)
+    return out.reshape(b, hq, n, -1), lse.reshape(b, hq, n)
+
+
 def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel, scale: float,
-                     appending: bool) -> torch.Tensor:
+                     appending: bool, pattern=None, start: int | None = None,
+                     key_positions: torch.Tensor | None = None) -> torch.Tensor:
     """New queries (replicated on every rank) over the keys of all ranks' cache shards.
 
     q (batch, q_heads, new, head_dim); k, v (batch, kv_heads, local, head_dim) this rank's shard, whose
     last `new` entries are the new tokens when `appending`. Returns (batch, q_heads, new, head_dim),
-    identical on every rank.
+    identical on every rank. `pattern` (longdoc.hf.attention.LayerPattern) with a window, chunks or a
+    soft-cap needs `start` (the global position of the first new token) and `key_positions` (global
+    positions of this rank's cached tokens before this call); its sinks are folded in once at the end.
     """
-    kernel = kernels.select(q.device, q.dtype, cp.kernel)
     new = q.shape[2]
     old = k.shape[2] - new if appending else k.shape[2]
-    # Every cached key precedes every new query: no mask. Among the new tokens (on the owner only) the
-    # block is square and starts at the first new token, so top-left causal alignment is right.
-    out, lse = _partial(q, k[:, :, :old], v[:, :, :old], False, scale, kernel)
-    if appending:
-        out, lse = blocks.merge(out, lse, *_partial(q, k[:, :, old:], v[:, :, old:], True, scale, kernel))
+    masked = pattern is not None and (pattern.window is not None or pattern.chunk_size is not None
+                                      or pattern.softcap is not None)
+    if masked:
+        q_pos = torch.arange(start, start + new, device=q.device)
+        k_pos = key_positions.to(q.device) if key_positions is not None else q_pos[:0]
+        if k_pos.numel() != old:
+            raise RuntimeError(f"KV session: {k_pos.numel()} cached positions for {old} cached keys on this rank")
+        if appending:
+            k_pos = torch.cat([k_pos, q_pos])
+        out, lse = _masked_partial(q, k, v, q_pos, k_pos, scale, pattern)
+    else:
+        kernel = kernels.select(q.device, q.dtype, cp.kernel)
+        # Every cached key precedes every new query: no mask. Among the new tokens (on the owner only) the
+        # block is square and starts at the first new token, so top-left causal alignment is right.
+        out, lse = _partial(q, k[:, :, :old], v[:, :, :old], False, scale, kernel)
+        if appending:
+            out, lse = blocks.merge(out, lse, *_partial(q, k[:, :, old:], v[:, :, old:], True, scale, kernel))
     if cp.size > 1:
         # One all-gather of (out | lse) per layer: new x head_dim numbers per head, tiny next to the cache.
         parts = comm.all_gather(torch.cat([out, lse.unsqueeze(-1)], dim=-1), cp.group, cp.timeout)
@@ -95,6 +146,8 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Cont
         lse = torch.full_like(lse, float("-inf"))
         for part in parts:  # rank order on every rank: bit-identical results everywhere
             out, lse = blocks.merge(out, lse, part[..., :-1], part[..., -1])
+    if pattern is not None and pattern.sinks is not None:
+        out, lse = blocks.fold_sinks(out, lse, pattern.sinks.detach())
     return out.to(q.dtype)
 
 

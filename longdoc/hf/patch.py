@@ -40,7 +40,7 @@ from longdoc.hf.attention import (
 from longdoc.parallel import comm
 from longdoc.parallel import layout as layouts
 from longdoc.parallel.api import ContextParallel, check_strategy
-from longdoc.parallel.batch import CPInputError
+from longdoc.parallel.batch import CPInputError, documents_of
 
 __all__ = ["patch", "unpatch", "is_patched", "UnsupportedFeatureError", "CPInputError"]
 
@@ -82,8 +82,8 @@ def _raise(handle: CPHandle, problem: tuple[str, str]):
     raise refuse(handle.model_name, *problem)
 
 
-_PADDING_FIX = ("right padding only: tokenize with tokenizer.padding_side = 'right' (cp.shard_batch checks "
-                "and handles right padding)")
+_PADDING_FIX = ("build the local batch with cp.shard_batch: it turns left padding into right padding (which "
+                "needs no mask) and passes no attention_mask on")
 
 
 def _call_problem(handle: CPHandle, call: dict) -> tuple[str, str] | None:
@@ -98,19 +98,43 @@ def _call_problem(handle: CPHandle, call: dict) -> tuple[str, str] | None:
                 "call longdoc.hf.generate(model, cp, input_ids, max_new_tokens) or model.generate, which routes "
                 "there")
     local_len = x.shape[1]
-    chunks = len(layouts.chunk_ids(cp.layout, 0, cp.size))
-    if local_len % chunks:
-        return _Input(f"a local sequence of {local_len} tokens", f"the {cp.layout} layout holds {chunks} equal chunks "
-                f"per rank; build the local batch with cp.shard_batch, which pads")
     global_len = local_len * cp.size
     pos = call.get("position_ids")
     if pos is None:
         return _Input("no position_ids", "under CP every rank must pass the GLOBAL positions of its tokens "
                 "(cp.shard_batch provides them); without them RoPE would see local positions")
-    expected = cp.positions(global_len, device=pos.device)
-    if pos.shape[-1] != local_len or not bool((pos == expected).all()):
-        return _Input("position_ids that are not this rank's global positions",
-                "pass the position_ids made by cp.shard_batch (packed sequences / offsets are not supported)")
+    cu = call.get("cu_seq_lens_q")
+    if cu is not None:
+        if call.get("cu_seq_lens_k") is not None and not torch.equal(call["cu_seq_lens_k"], cu):
+            return _Input("cu_seq_lens_k different from cu_seq_lens_q", "pass the batch cp.shard_batch made")
+        try:
+            docs = documents_of(cu, x.shape[0], global_len)
+            for d in docs:
+                d.check(cp.size)
+        except ValueError as e:
+            return _Input("cu_seq_lens_q that are not the global document boundaries of this batch",
+                          f"pass the packed batch cp.shard_batch made ({e})")
+        expected = torch.stack([cp.shard(d.position_ids(pos.device), dim=0, documents=d) for d in docs])
+        if pos.shape != expected.shape or not bool((pos == expected).all()):
+            return _Input("position_ids that are not this rank's positions within its packed documents",
+                          "pass the position_ids made by cp.shard_batch for the packed batch")
+        handle.documents, handle.documents_from = tuple(docs), cu
+    else:
+        chunks = len(layouts.chunk_ids(cp.layout, 0, cp.size))
+        if local_len % chunks:
+            return _Input(f"a local sequence of {local_len} tokens", f"the {cp.layout} layout holds {chunks} equal "
+                          f"chunks per rank; build the local batch with cp.shard_batch, which pads")
+        # Each row: this rank's global positions plus one offset >= 0 (a row numbered from another start,
+        # such as a left-padded row that cp.shard_batch rolled to the right, every token keeping its id).
+        bad = _Input("position_ids that are not this rank's global positions",
+                     "pass the position_ids made by cp.shard_batch (it handles packed rows and left padding)")
+        if pos.shape[-1] != local_len:
+            return bad
+        offset = pos - cp.positions(global_len, device=pos.device)
+        if not bool((offset == offset[..., :1]).all()) or bool((offset < 0).any()):
+            return bad
+        if offset.numel():
+            global_len += int(offset.max())  # the largest position id + 1, for the RoPE threshold below
     if call.get("labels") is not None and call.get("shift_labels") is None:
         return _Input("labels without shift_labels", "labels must be shifted over the FULL sequence before sharding; "
                 "build the batch with cp.shard_batch (it passes shift_labels and num_items_in_batch)")
@@ -155,6 +179,7 @@ def _pre_forward(handle: CPHandle, signature: inspect.Signature, module, args, k
         backend.handle_of(module)  # raises: unpickled or unpatched model
     handle.attention_calls = 0
     handle.loss_calls = 0
+    handle.documents = handle.documents_from = None
     call = signature.bind_partial(*args, **kwargs).arguments
     call = {**call.pop("kwargs", {}), **call}
     problem = _call_problem(handle, call) or _vocab_problem(module, call)
@@ -228,8 +253,11 @@ def _generate_call(hf, args: tuple, kwargs: dict) -> tuple[dict, str | None]:
     if call.get("max_new_tokens") is None and getattr(hf.generation_config, "max_new_tokens", None) is None:
         return call, "no max_new_tokens"
     mask = call.get("attention_mask")
-    if mask is not None and not bool(torch.as_tensor(mask).all()):
-        return call, "an attention_mask with padding (prompts of unequal length)"
+    if mask is not None:
+        try:
+            sessions.left_padding(mask, tuple(ids.shape))
+        except (ValueError, RuntimeError):
+            return call, "an attention_mask that is not left padding (padding_side='left')"
     return call, None
 
 
@@ -247,8 +275,8 @@ def _generate(handle: CPHandle, hf, *args, **kwargs) -> torch.Tensor:
             problem = f"arguments CP rank {bad[0]} cannot run (its error says which)"
     if problem is not None:
         raise CPInputError(f"longdoc.patch: model.generate on {handle.model_name} under context parallelism got "
-                           f"{problem}; it supports {', '.join(_GENERATE_ARGS)} (attention_mask all ones, the same "
-                           f"prompt on every rank). For anything else call {GENERATE_CALL}")
+                           f"{problem}; it supports {', '.join(_GENERATE_ARGS)} (attention_mask with left "
+                           f"padding, the same prompt on every rank). For anything else call {GENERATE_CALL}")
     config = hf.generation_config
 
     def pick(name: str):
@@ -260,7 +288,8 @@ def _generate(handle: CPHandle, hf, *args, **kwargs) -> torch.Tensor:
     out = sessions.generate(hf, cp, ids, int(pick("max_new_tokens")), eos_token_id=eos, do_sample=sample,
                             temperature=(pick("temperature") or 1.0) if sample else 1.0,
                             top_p=(pick("top_p") or 1.0) if sample else 1.0,
-                            top_k=(pick("top_k") or None) if sample else None, strategy=handle.strategy)
+                            top_k=(pick("top_k") or None) if sample else None, strategy=handle.strategy,
+                            attention_mask=call.get("attention_mask"))
     tokens = out.tokens.to(ids.device)
     if eos is not None and pad is not None:
         # transformers fills a finished row with pad_token_id after its EOS (the session repeats the EOS)

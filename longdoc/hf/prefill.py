@@ -21,8 +21,7 @@ import torch.distributed as dist
 from longdoc.hf.attention import hf_model
 from longdoc.parallel import comm
 from longdoc.parallel.api import ContextParallel
-from longdoc.parallel.batch import shard_batch
-from longdoc.parallel.layout import round_up
+from longdoc.parallel.batch import shard_batch, source_index
 
 __all__ = ["prefill", "gather_positions", "target_logprobs", "span_logprobs"]
 
@@ -51,6 +50,18 @@ def _local_index(cp: ContextParallel, padded_len: int, positions: torch.Tensor) 
     return where[positions]
 
 
+def _batch_local_index(cp: ContextParallel, batch: Mapping[str, Any], positions: torch.Tensor) -> torch.Tensor:
+    """Like _local_index, per row, for the layout cp.shard_batch gives this batch (left-padded rows are
+    rolled, packed rows laid out per document): (batch, n) local indices, -1 where another rank holds them."""
+    src = source_index(batch, cp).to(positions.device)  # (batch, local_len) full-batch column of each token
+    bsz, local_len = src.shape
+    where = torch.full((bsz, int(positions.max()) + 1 if positions.numel() else 1), -1, dtype=torch.long,
+                       device=positions.device)
+    rows, cols = torch.nonzero((src >= 0) & (src < where.shape[1]), as_tuple=True)
+    where[rows, src[rows, cols]] = cols
+    return where.gather(1, positions)
+
+
 def _positions(positions: Any, bsz: int, seq_len: int, device: torch.device) -> torch.Tensor:
     p = torch.as_tensor(positions, dtype=torch.long, device=device)
     if p.dim() == 0:
@@ -65,10 +76,14 @@ def _positions(positions: Any, bsz: int, seq_len: int, device: torch.device) -> 
     return p
 
 
-def _run(model, cp: ContextParallel, batch: Mapping[str, Any], keep: torch.Tensor | None, pad_token_id: int):
+def _local_batch(model, cp: ContextParallel, batch: Mapping[str, Any], pad_token_id: int) -> dict:
     _check_patched(model, cp)
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    local = shard_batch(inputs, cp, pad_token_id=pad_token_id)
+    return shard_batch({k: v for k, v in batch.items() if k != "labels"}, cp, pad_token_id=pad_token_id)
+
+
+def _run(model, cp: ContextParallel, batch: Mapping[str, Any], keep: torch.Tensor | None, pad_token_id: int,
+         local: dict | None = None):
+    local = _local_batch(model, cp, batch, pad_token_id) if local is None else local
     extra = {} if keep is None else {"logits_to_keep": keep}
     with torch.no_grad():
         logits = model(**local, use_cache=False, **extra).logits
@@ -84,10 +99,10 @@ def _owned_logits(model, cp: ContextParallel, batch: Mapping[str, Any], position
         x = x.unsqueeze(0)
     bsz, seq_len = x.shape[:2]
     p = _positions(positions, bsz, seq_len, x.device)
-    padded = round_up(seq_len, cp.multiple)
-    local_idx = _local_index(cp, padded, p)  # (b, n), -1 where another rank holds the token
+    local = _local_batch(model, cp, batch, pad_token_id)  # first: every rank checks the batch, or all raise
+    local_idx = _batch_local_index(cp, batch, p)  # (b, n), -1 where another rank holds the token
     keep = torch.unique(local_idx[local_idx >= 0])  # sorted local indices the LM head must see
-    _, logits = _run(model, cp, batch, keep, pad_token_id)
+    _, logits = _run(model, cp, batch, keep, pad_token_id, local)
     if logits.shape[1] != keep.numel():
         logits = logits[:, keep]  # a model without logits_to_keep support returned all local logits
     slot = torch.searchsorted(keep, local_idx.clamp(min=0))
@@ -152,6 +167,7 @@ def gather_positions(local: torch.Tensor, cp: ContextParallel, positions: Sequen
                      *, dim: int = 1) -> torch.Tensor:
     """Values of a sharded tensor (e.g. local logits from `prefill`) at chosen global positions, on every
     rank: `local` holds this rank's part along `dim`; returns the entries at `positions` (n,) along `dim`.
+    For plain rows (cp's layout); for packed or left-padded batches use prefill(..., positions=).
     One all-reduce of the selected entries; the full tensor is never gathered."""
     dim = dim % local.dim()
     padded = local.shape[dim] * cp.size

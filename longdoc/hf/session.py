@@ -121,6 +121,7 @@ class KVSession:
         self.state.mode, self.state.total, self.cache.append = "prefill", seq, True
         logits = self._forward(cp.shard(full, dim=1), positions, keep)[:, -1]
         self.cache.keep(torch.nonzero(positions < seq).flatten())  # drop the padding's K/V
+        self.state.key_positions = positions[positions < seq]  # in cache order: windows mask by position
         self.counts = [int((layouts.positions(padded, r, cp.size, cp.layout) < seq).sum()) for r in range(cp.size)]
         self.length, self.batch = seq, ids.shape[0]
         if cp.size > 1:
@@ -148,6 +149,8 @@ class KVSession:
             logits = self._forward(ids, positions, keep)
         finally:
             self.cache.append = True
+        if owner == self.cp.rank:
+            self.state.key_positions = torch.cat([self.state.key_positions, positions])
         self.counts[owner] += new
         self.length += new
         return logits
@@ -162,6 +165,7 @@ class KVSession:
         if length > self.length or any(c > now for c, now in zip(counts, self.counts)):
             raise ValueError(f"cannot roll back forward: mark {mark} is after the session's {self.mark()}")
         self.cache.truncate(counts[self.cp.rank])
+        self.state.key_positions = self.state.key_positions[:counts[self.cp.rank]]
         self.length, self.counts = length, list(counts)
 
     # ---- decoding ----
@@ -230,19 +234,52 @@ def _check_max_new_tokens(n) -> None:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {n!r}")
 
 
+def left_padding(attention_mask: torch.Tensor | None, shape: tuple[int, int]) -> list[int] | None:
+    """Leading pads per row of a prompt mask, None when there is no padding; raises unless every row is
+    pads then real tokens (generation pads on the left: padding_side='left')."""
+    if attention_mask is None:
+        return None
+    m = torch.as_tensor(attention_mask).to(torch.int8).reshape(shape)
+    if bool(m.all()):
+        return None
+    if m.shape[1] > 1 and not bool((m[:, 1:] >= m[:, :-1]).all()) or not bool(m[:, -1].all()):
+        raise ValueError("generate: attention_mask must be left padding (zeros, then ones, every row ending in a real "
+                         "token); tokenize prompts with tokenizer.padding_side = 'left'")
+    return [int(n) for n in (m == 0).sum(dim=1)]
+
+
 def generate(model: torch.nn.Module, cp: ContextParallel, input_ids: torch.Tensor, max_new_tokens: int, *,
              eos_token_id: int | list[int] | None = None, do_sample: bool = False, temperature: float = 1.0,
              top_p: float = 1.0, top_k: int | None = None, seed: int | None = None, strategy: str = "ring",
-             return_logits: bool = False) -> Generation:
+             return_logits: bool = False, attention_mask: torch.Tensor | None = None) -> Generation:
     """Decode after a context-parallel prefill of `input_ids` (batch, len), the same prompt on every rank.
 
     Greedy by default; do_sample=True samples (temperature, top-k, top-p, in transformers' order) from a
     generator seeded with `seed` (None: torch's global generator). Rank 0's choice is every rank's, so the
     result is identical on all ranks, and for one seed the same tokens at any cp size (up to rounding ties).
+    `attention_mask` (batch, len) with left padding: every prompt is decoded on its own without its pads
+    (positions from 0, as transformers numbers a left-padded prompt), so pads see nothing and count nothing.
     Works on patched and unpatched models; the model is left as it was.
     """
     _check_max_new_tokens(max_new_tokens)  # before the prefill's compute
     sampler = Sampler(do_sample, float(temperature), float(top_p), top_k)
-    with KVSession(model, cp, strategy=strategy) as session:
-        logits = session.prefill(torch.as_tensor(input_ids))
-        return session.decode(logits, max_new_tokens, eos_token_id, sampler, seed, return_logits)
+    ids = torch.as_tensor(input_ids)
+    ids = ids if ids.dim() == 2 else ids.unsqueeze(0)
+    lead = left_padding(attention_mask, tuple(ids.shape))
+    if lead is None:
+        with KVSession(model, cp, strategy=strategy) as session:
+            logits = session.prefill(ids)
+            return session.decode(logits, max_new_tokens, eos_token_id, sampler, seed, return_logits)
+    rows = []
+    for r, n in enumerate(lead):  # one session per prompt: rows of different lengths share no cache layout
+        with KVSession(model, cp, strategy=strategy) as session:
+            logits = session.prefill(ids[r:r + 1, n:])
+            rows.append(session.decode(logits, max_new_tokens, eos_token_id, sampler,
+                                       None if seed is None else seed + r, return_logits))
+    width = max(g.tokens.shape[1] for g in rows)
+
+    def widen(t: torch.Tensor) -> torch.Tensor:  # a row that stopped early repeats its last (EOS) step
+        return torch.cat([t, t[:, -1:].expand(-1, width - t.shape[1], *t.shape[2:])], dim=1)
+
+    return Generation(torch.cat([widen(g.tokens) for g in rows]),
+                      torch.cat([widen(g.logits) for g in rows]) if return_logits else None)

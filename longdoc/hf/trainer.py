@@ -31,16 +31,16 @@ from transformers import Trainer
 
 from longdoc.hf.patch import patch
 from longdoc.parallel.api import ContextParallel, check_strategy
-from longdoc.parallel.batch import shard_batch, shift_labels
+from longdoc.parallel.batch import count_loss_tokens, shard_batch, source_index
 from longdoc.parallel.layout import check_layout
 
 __all__ = ["CPTrainer", "CPTrainerMixin", "cp_mesh"]
 
-_BATCH_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
+# What shard_batch takes: plain, right/left-padded and packed rows (DataCollatorWithFlattening, TRL padding-free).
+_BATCH_KEYS = ("input_ids", "attention_mask", "labels", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
+               "max_length_q", "max_length_k", "seq_idx")
 # Keys collators add that carry no information shard_batch needs (they are recomputed or unused).
 _DROPPED_KEYS = ("use_cache", "num_items_in_batch")
-_PACKED = ("packed documents would attend to each other: CP attention here is causal over the whole row, "
-           "without per-document masking yet")
 
 
 def _launched_world_size() -> int:
@@ -128,10 +128,6 @@ class CPTrainerMixin:
     def _refuse_unsupported(training_args, kwargs: dict) -> None:
         if training_args is None:
             return
-        what = [name for name in ("packing", "padding_free") if getattr(training_args, name, False)]
-        if what:
-            raise ValueError(f"CPTrainer: {' and '.join(f'{w}=True' for w in what)} is not supported yet: {_PACKED}. "
-                             f"Set packing=False and padding_free=False (each row then holds one document)")
         if getattr(training_args, "label_smoothing_factor", 0.0):
             raise ValueError("CPTrainer: label_smoothing_factor is not supported under CP (the smoother needs the "
                              "full logits of every token on one rank); set label_smoothing_factor=0")
@@ -181,23 +177,18 @@ class CPTrainerMixin:
             raise ValueError(f"CPTrainer: the batch holds {extra}, which context parallelism cannot shard; the "
                              f"collator may return {', '.join(_BATCH_KEYS)} (set remove_unused_columns=True or drop "
                              f"them in the collator)")
+        # packed rows (position_ids restarting per document) go to shard_batch, which masks the documents
         batch = {k: inputs[k] for k in _BATCH_KEYS if inputs.get(k) is not None}
-        pos = batch.get("position_ids")
-        if pos is not None:
-            plain = torch.arange(pos.shape[-1], device=pos.device)
-            if not bool((pos == plain).all()):
-                raise ValueError(f"CPTrainer: position_ids restart inside a row (packed / padding-free batches, "
-                                 f"e.g. TRL packing=True or padding_free=True): {_PACKED}. Use one document per row")
-            del batch["position_ids"]  # shard_batch computes the global positions
         if "labels" not in batch:
             raise ValueError("CPTrainer: the batch has no labels; under CP the loss needs them (a causal-LM collator, "
                              "e.g. DataCollatorForLanguageModeling(tokenizer, mlm=False), adds them)")
         return batch
 
-    def _count_loss_tokens(self, batch: dict) -> torch.Tensor:
-        # The same targets cp.shard_batch takes: shifted over the full row, padding never counts.
-        targets = shift_labels(batch["labels"].long(), batch.get("attention_mask"))
-        return (targets != -100).sum()
+    @staticmethod
+    def _count_loss_tokens(batch: dict) -> torch.Tensor:
+        # The same targets cp.shard_batch takes: shifted over the full row (or each packed document),
+        # padding never counts.
+        return torch.tensor(count_loss_tokens(batch))
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
         """Loss tokens of the optimizer step on this replica, summed over the replicas when averaging tokens.
@@ -242,8 +233,14 @@ class CPTrainerMixin:
             return loss
         logits = outputs.get("logits") if isinstance(outputs, dict) else None
         if logits is not None and self.cp.size > 1:
-            # compute_metrics expects the logits of the full batch, in token order, without CP padding
-            outputs["logits"] = self.cp.gather(logits.detach(), dim=1)[:, :seq_len]
+            # compute_metrics expects the logits of the full batch, in token order, without CP padding;
+            # shard_batch may have rolled (left padding) or laid out per document (packing) the tokens
+            where = self.cp.gather(source_index(batch, self.cp), dim=1)  # (batch, padded) full-row column
+            gathered = self.cp.gather(logits.detach(), dim=1)
+            full = gathered.new_zeros(gathered.shape[0], seq_len, gathered.shape[2])
+            rows, cols = torch.nonzero(where >= 0, as_tuple=True)
+            full[rows, where[rows, cols]] = gathered[rows, cols]
+            outputs["logits"] = full
         return loss, outputs
 
     # ---- evaluation: metrics once per CP group ----

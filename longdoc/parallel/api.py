@@ -250,7 +250,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextPara
     Patterns, in GLOBAL positions (query i, key j of the full sequence):
       window: int >= 1, query i sees key j when i - window < j <= i (Hugging Face's sliding window;
           needs causal=True). Windows longer than the sequence are plain causal attention.
-      chunk_size: int >= 1, Llama 4 chunked attention: i // chunk_size == j // chunk_size (and j <= i if causal).
+      chunk_size: int >= 1, Llama 4 chunked attention: i // chunk_size == j // chunk_size (and j <= i if causal);
+          with documents, counted from each document's start (each document as if run on its own).
       softcap: float > 0, scores s become softcap * tanh(s / softcap) before masking (Gemma 2).
       sinks: tensor (q_heads,), a learned logit per head in every row's softmax denominator (GPT-OSS);
           any float dtype; gets a gradient, this rank's share: summed over the CP group (as the gradient

@@ -17,13 +17,20 @@ rank's loss is its share and gradients summed over the group are the single-devi
 Any length works: the sequence is padded internally at the end to cp.multiple; padded tokens and
 attention_mask == 0 positions never enter the loss. Right padding is exact with no mask at all (causal
 attention never lets a real token see a pad after it), so no attention_mask is passed on. Left padding
-is refused: it needs a padding mask inside the ring, which the CP kernels do not compute.
+is turned into right padding: each left-padded row is rolled so that its real tokens come first, every
+token keeping its position id (the default 0..seq-1 of the padded row, or the position_ids given), so
+leading pads see nothing and count nothing.
 
-Content agreement: before returning, the ranks of the CP group check in one tiny all-gather that they
-hold the SAME full batch (shapes, dtypes, an exact 64-bit checksum of every field, and the options).
-Ranks reading different sequences of one shape would otherwise train on a loss that belongs to no
-document, silently (transformers.Trainer's per-rank sampler does exactly that). `ContextParallel(
-check_agreement=False)` skips the check.
+Packed rows (transformers.DataCollatorWithFlattening's format: position_ids restarting at 0 at each
+document, optionally cu_seq_lens_q/k, max_length_q/k and seq_idx, which must agree with them): every
+document keeps its own positions, attends only to itself, and its last token predicts nothing (the loss
+equals running each document on its own). The row is laid out per document (longdoc.parallel.layout.
+Packed: each document zigzagged over the ranks, balanced work) and the local batch carries the GLOBAL
+document boundaries as cu_seq_lens_q / cu_seq_lens_k (over the flattened, padded batch, as HF counts
+them), from which the patched model's attention masks documents. The padding is one extra document.
+
+Content agreement (longdoc.parallel.batch_agree): before returning, the ranks of the CP group check in
+one tiny all-gather that they hold the SAME full batch; `ContextParallel(check_agreement=False)` skips it.
 """
 
 from __future__ import annotations
@@ -33,21 +40,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from longdoc.parallel import comm
-from longdoc.parallel.layout import round_up
+from longdoc.parallel.batch_agree import CPInputError, agree_content, checksum
+from longdoc.parallel.layout import Packed, round_up
 
-_KNOWN = ("input_ids", "inputs_embeds", "attention_mask", "labels", "position_ids")
-# The fields whose content the CP ranks must agree on, in the order they are packed for the check.
-_AGREED = ("inputs", "labels", "attention_mask", "position_ids")
-_SAME_DATA_FIX = ("the ranks of a CP group must read the same sequences: sample per data-parallel replica, not "
-                  "per rank (e.g. DistributedSampler(num_replicas=dp_size, rank=dp_rank), so that every CP rank "
-                  "of one replica reads the same batch); ContextParallel(check_agreement=False) skips this check")
+__all__ = ["CPInputError", "checksum", "count_loss_tokens", "documents_of", "shard_batch", "shift_labels",
+           "source_index"]
 
-
-class CPInputError(ValueError):
-    """Inputs a patched model cannot run exactly under CP (build them with cp.shard_batch)."""
-
-
+_KNOWN = ("input_ids", "inputs_embeds", "attention_mask", "labels", "position_ids", "cu_seq_lens_q",
+          "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 def _as_tensor(value: Any, name: str) -> torch.Tensor:
     t = value if torch.is_tensor(value) else torch.as_tensor(value)
     if t.dim() == 1 and name != "inputs_embeds":
@@ -55,21 +55,52 @@ def _as_tensor(value: Any, name: str) -> torch.Tensor:
     return t
 
 
-def _check_padding(mask: torch.Tensor) -> None:
+def _leading_pads(mask: torch.Tensor) -> torch.Tensor:
+    """(batch,) number of leading zeros of each row; raises on values other than 0/1 and on holes."""
     m = mask.to(torch.int8)
     if m.numel() and not bool(((m == 0) | (m == 1)).all()):
         raise ValueError("attention_mask must hold 0/1 (or bool) values")
-    if m.shape[1] < 2 or bool((m[:, 1:] <= m[:, :-1]).all()):
-        return
-    rows = [int(r) for r in torch.nonzero((m[:, 1:] > m[:, :-1]).any(dim=1)).flatten()[:4]]
-    left = all(int(m[r, 0]) == 0 for r in rows)
-    what = "left padding" if left else "holes (zeros between real tokens)"
-    raise ValueError(
-        f"cp.shard_batch: attention_mask has {what} in rows {rows}; only right padding is supported under CP "
-        f"(it is exact without a mask, left padding would need a padding mask inside the ring attention). "
-        f"Tokenize with tokenizer.padding_side = 'right'; to pack several documents, concatenate them into "
-        f"one row instead"
-    )
+    lead = (m.cumsum(dim=1) == 0).sum(dim=1)
+    real = m.sum(dim=1)
+    idx = torch.arange(m.shape[1]).unsqueeze(0)
+    contiguous = ((idx >= lead.unsqueeze(1)) & (idx < (lead + real).unsqueeze(1))).to(torch.int8)
+    bad = torch.nonzero((contiguous != m).any(dim=1)).flatten()[:4].tolist()
+    if bad:
+        raise ValueError(f"cp.shard_batch: attention_mask has holes (zeros between real tokens) in rows {bad}; "
+                         f"only left and right padding are supported (one contiguous run of real tokens per row). "
+                         f"To pack several documents into a row, give position_ids restarting at 0 per document")
+    return lead
+
+
+def _row_documents(pos: torch.Tensor, n_real: int, row: int) -> tuple[int, tuple[int, ...] | None]:
+    """(first position, None) for a row numbered consecutively from any start, or (0, document lengths)
+    for a packed row (position_ids restarting at 0 at each document); raises otherwise."""
+    p = pos[:n_real]
+    if n_real == 0 or bool((p == p[0] + torch.arange(n_real, device=p.device)).all()):
+        return (int(p[0]) if n_real else 0), None
+    try:
+        docs = Packed.from_position_ids(p)
+    except ValueError:
+        raise ValueError(f"cp.shard_batch: position_ids of row {row} are neither consecutive nor packed (restarting "
+                         f"at 0 at each document, then going up by 1, as DataCollatorWithFlattening makes them); "
+                         f"drop position_ids, shard_batch computes the global positions") from None
+    return 0, docs.doc_lens
+
+
+def _documents_from_cu(cu: torch.Tensor, bsz: int, seq_len: int) -> list[tuple[int, ...]]:
+    """Per-row document lengths from cu_seq_lens over the flattened batch (HF's varlen format)."""
+    c = [int(x) for x in cu.reshape(-1).tolist()]
+    rows = set(range(0, bsz * seq_len + 1, seq_len))
+    if not c or c[0] != 0 or c[-1] != bsz * seq_len or any(b <= a for a, b in zip(c, c[1:])) \
+            or not rows <= set(c):
+        raise ValueError(f"cp.shard_batch: cu_seq_lens_q must be increasing document boundaries from 0 to "
+                         f"{bsz * seq_len} (batch x seq, the flattened batch) that include every row boundary, "
+                         f"got {c[:8]}{'...' if len(c) > 8 else ''}")
+    out = []
+    for r in range(bsz):
+        cuts = [x - r * seq_len for x in c if r * seq_len <= x <= (r + 1) * seq_len]
+        out.append(tuple(b - a for a, b in zip(cuts, cuts[1:])))
+    return out
 
 
 def shift_labels(labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -145,138 +176,81 @@ def _validated(batch: Mapping[str, Any], ignore_index: int, num_items_in_batch) 
     mask = same_shape("attention_mask")
     labels = same_shape("labels")
     pos = same_shape("position_ids")
-    if pos is not None and not bool((pos == torch.arange(seq_len, device=device)).all()):
-        raise ValueError("cp.shard_batch: position_ids other than 0..seq-1 (packed sequences, offsets) are not "
-                         "supported under CP; drop position_ids, shard_batch computes the global positions")
-    if mask is not None:
-        _check_padding(mask)
+    lead = _leading_pads(mask) if mask is not None else torch.zeros(bsz, dtype=torch.long)
+    n_real = mask.sum(dim=1) if mask is not None else torch.full((bsz,), seq_len)
+    cu = {k: batch[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k") if batch.get(k) is not None}
+    if len(cu) == 2 and not torch.equal(torch.as_tensor(cu["cu_seq_lens_q"]).long(),
+                                        torch.as_tensor(cu["cu_seq_lens_k"]).long()):
+        raise ValueError("cp.shard_batch: cu_seq_lens_q and cu_seq_lens_k differ; packed self-attention needs the "
+                         "same document boundaries for queries and keys")
+    cu_docs = _documents_from_cu(torch.as_tensor(next(iter(cu.values()))), bsz, seq_len) if cu else None
+    if cu_docs is not None and pos is None:
+        pos = torch.cat([torch.cat([torch.arange(n) for n in row]) for row in cu_docs]).view(bsz, seq_len).to(device)
+    starts, docs = [0] * bsz, [None] * bsz
+    if pos is not None:
+        for r in range(bsz):
+            rolled = torch.roll(pos[r], -int(lead[r]))
+            starts[r], docs[r] = _row_documents(rolled, int(n_real[r]), r)
+    packed = any(d is not None for d in docs)
+    if packed and bool((lead > 0).any()):
+        raise ValueError("cp.shard_batch: packed rows (position_ids restarting at 0) with left padding; pad packed "
+                         "rows on the right (or not at all: DataCollatorWithFlattening needs no padding)")
+    if packed and any(s_ for s_ in starts):
+        raise ValueError("cp.shard_batch: a packed batch must number every row's documents from 0 (HF's packed "
+                         "format); a row here starts at another position")
+    if cu_docs is not None:
+        for r in range(bsz):
+            mine = docs[r] or (int(n_real[r]),)
+            if tuple(cu_docs[r][:len(mine)]) != tuple(mine) or \
+                    sum(cu_docs[r][len(mine):]) != seq_len - int(n_real[r]):
+                raise ValueError(f"cp.shard_batch: cu_seq_lens_q disagrees with position_ids in row {r} (documents "
+                                 f"{list(cu_docs[r])[:6]} vs {list(mine)[:6]}); pass either, or both from one collator")
+    seq_idx = batch.get("seq_idx")
+    if seq_idx is not None:
+        seq_idx = _as_tensor(seq_idx, "seq_idx").to(device)
+        for r in range(bsz):
+            cuts = torch.nonzero(seq_idx[r, 1:int(n_real[r])] != seq_idx[r, :int(n_real[r]) - 1]).flatten() + 1
+            want = [int(x) for x in torch.tensor(docs[r] or (int(n_real[r]),)).cumsum(0)[:-1]]
+            if cuts.tolist() != want:
+                raise ValueError(f"cp.shard_batch: seq_idx disagrees with the documents of row {r} (position_ids / "
+                                 f"cu_seq_lens); pass the collator's fields unchanged")
     if labels is not None and labels.is_floating_point():
         raise ValueError(f"cp.shard_batch: labels must be integer token ids, got {labels.dtype}")
     if labels is not None and num_items_in_batch is not None and int(num_items_in_batch) <= 0:
         raise ValueError(f"cp.shard_batch: num_items_in_batch must be positive, got {int(num_items_in_batch)}")
-    return {"key": key, "inputs": x, "labels": labels, "attention_mask": mask, "position_ids": pos}
+    return {"key": key, "inputs": x, "labels": labels, "attention_mask": mask, "position_ids": pos,
+            "rows": _Rows(lead.tolist(), [int(n) for n in n_real], starts, docs if packed else None)}
 
 
-# ---- content agreement ----
+class _Rows(NamedTuple):
+    """How each row is laid out: leading pads (rolled away), real tokens, first position, documents."""
 
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_DTYPE_CODES = {dt: i for i, dt in enumerate((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
-                                                torch.int64, torch.float16, torch.bfloat16, torch.float32,
-                                                torch.float64))}
-
-
-def checksum(t: torch.Tensor) -> int:
-    """An exact 64-bit fingerprint of a tensor's values (bit patterns, so -0.0 != 0.0 and NaNs count).
-
-    sum_i bits_i * w_i in wrapping int64 arithmetic, with odd pseudo-random weights w_i (a splitmix64-style
-    mix of the index): any one changed element always changes the sum (an odd weight is invertible modulo
-    2**64), and reordered or several changed elements collide with probability ~2**-64. One multiply-add
-    per element: microseconds for token ids, far below a training step even for inputs_embeds.
-    """
-    t = t.detach()
-    if t.dtype == torch.bool:
-        t = t.to(torch.uint8)
-    bits = t.contiguous().view(_INT_OF_SIZE[t.element_size()]).reshape(-1).to(torch.int64)
-    w = torch.arange(bits.numel(), dtype=torch.int64, device=bits.device)
-    w = w * -7046029254386353131 + 1442695040888963407  # 0x9E3779B97F4A7C15 as a signed int64; wraps
-    w = w ^ (w >> 29)
-    w = w * -4658895280553007687  # 0xBF58476D1CE4E5B9
-    w = (w ^ (w >> 32)) | 1
-    return int((bits * w).sum())
+    lead: list[int]
+    n_real: list[int]
+    start: list[int]  # position id of the first real token (consecutive rows)
+    docs: list[tuple[int, ...] | None] | None  # real document lengths per row, when any row is packed
 
 
-class _FieldMeta(NamedTuple):
-    """One field's metadata as the ranks exchange it (packs to ints for comm.agree)."""
-
-    present: int
-    shape: tuple[int, int, int]  # (batch, seq, hidden or 0)
-    dtype: int
-    checksum: int
-
-    @classmethod
-    def of(cls, t: torch.Tensor | None) -> _FieldMeta:
-        if t is None:
-            return cls(0, (0, 0, 0), -1, 0)
-        shape = (tuple(t.shape) + (0, 0, 0))[:3]
-        return cls(1, shape, _DTYPE_CODES.get(t.dtype, -2), checksum(t))
-
-    def pack(self) -> list[int]:
-        return [self.present, *self.shape, self.dtype, self.checksum]
-
-
-_FIELD_INTS = 6
-
-
-class _BatchMeta(NamedTuple):
-    """What the CP ranks agree on before sharding: a validity flag, every field, and the options."""
-
-    valid: int
-    fields: tuple[_FieldMeta, ...]  # in _AGREED order
-    options: tuple[int, int, int]  # pad_token_id, ignore_index, num_items_in_batch (-1 = counted)
-
-    def pack(self) -> list[int]:
-        return [self.valid, *(i for f in self.fields for i in f.pack()), *self.options]
-
-    @classmethod
-    def unpack(cls, ints: list[int]) -> _BatchMeta:
-        fields = []
-        for j in range(len(_AGREED)):
-            p, b, s, h, dt, cs = ints[1 + j * _FIELD_INTS: 1 + (j + 1) * _FIELD_INTS]
-            fields.append(_FieldMeta(p, (b, s, h), dt, cs))
-        return cls(ints[0], tuple(fields), tuple(ints[-3:]))
-
-
-def _field_name(j: int, fields_key: str | None) -> str:
-    return (fields_key or "input_ids/inputs_embeds") if _AGREED[j] == "inputs" else _AGREED[j]
-
-
-def agree_content(fields: dict[str, Any] | None, cp, pad_token_id: int, ignore_index: int,
-                  num_items_in_batch) -> None:
-    """One all-gather of every rank's _BatchMeta; raises the same CPInputError on every rank when they differ.
-
-    `fields` None: this rank's batch failed validation (it raises its own error; the others learn it here).
-    """
-    options = (int(pad_token_id), int(ignore_index), -1 if num_items_in_batch is None else int(num_items_in_batch))
-    if fields is None:
-        mine = _BatchMeta(0, tuple(_FieldMeta.of(None) for _ in _AGREED), options)
-    else:
-        mine = _BatchMeta(1, tuple(_FieldMeta.of(fields[name]) for name in _AGREED), options)
-    device = cp.comm_device(fields["inputs"].device) if fields is not None else cp.comm_device(torch.device("cpu"))
-    metas = [_BatchMeta.unpack(m) for m in comm.agree(mine.pack(), cp.group, cp.timeout, device)]
-    if fields is None:
-        return  # the caller re-raises this rank's own validation error
-    key = fields["key"]
-    invalid = [r for r, m in enumerate(metas) if not m.valid]
-    if invalid:
-        raise CPInputError(f"cp.shard_batch: CP rank {invalid[0]} rejected its batch (its error says why), so the "
-                           f"CP ranks do not hold the same batch; {_SAME_DATA_FIX}")
-    differ = [_field_name(j, key) for j in range(len(_AGREED)) if len({m.fields[j] for m in metas}) > 1]
-    if len({m.options for m in metas}) > 1:
-        differ.append("the shard_batch options (pad_token_id, ignore_index, num_items_in_batch)")
-    if not differ:
-        return
-    ranks = [r for r, m in enumerate(metas) if m != metas[0]]
-    shapes = ""
-    for j in range(len(_AGREED)):
-        if len({(m.fields[j].present, m.fields[j].shape, m.fields[j].dtype) for m in metas}) > 1:
-            per_rank = ", ".join(f"rank {r}: {_describe(m.fields[j])}" for r, m in enumerate(metas))
-            shapes += f"; {_field_name(j, key)} {per_rank}"
-    raise CPInputError(f"cp.shard_batch: the CP ranks hold different batches: {', '.join(differ)} "
-                       f"differ{'s' if len(differ) == 1 else ''} between rank 0 and rank(s) {ranks}{shapes}; "
-                       f"{_SAME_DATA_FIX}")
-
-
-def _describe(f: _FieldMeta) -> str:
-    if not f.present:
-        return "absent"
-    names = {i: str(dt).removeprefix("torch.") for dt, i in _DTYPE_CODES.items()}
-    shape = f.shape if f.shape[2] else f.shape[:2]
-    return f"{tuple(shape)} {names.get(f.dtype, 'other dtype')}"
+def _roll_left_padding(fields: dict[str, Any]) -> dict[str, Any]:
+    """Left-padded rows rolled so their real tokens come first (each token keeps its position id)."""
+    rows: _Rows = fields["rows"]
+    if not any(rows.lead):
+        return fields
+    out = dict(fields)
+    for name in ("inputs", "labels", "attention_mask", "position_ids"):
+        t = fields[name]
+        if t is not None:
+            out[name] = torch.stack([torch.roll(t[r], -n, dims=0) for r, n in enumerate(rows.lead)])
+    if fields["position_ids"] is None:  # the default positions 0..seq-1 of the padded row, kept per token
+        out["rows"] = rows._replace(start=rows.lead)
+    return out
 
 
 def _shard(fields: dict[str, Any], cp, pad_token_id: int, ignore_index: int,
            num_items_in_batch) -> dict[str, torch.Tensor]:
+    fields = _roll_left_padding(fields)
     key, x, labels, mask = fields["key"], fields["inputs"], fields["labels"], fields["attention_mask"]
+    rows: _Rows = fields["rows"]
     bsz, seq_len = x.shape[:2]
     device = x.device
     padded = round_up(seq_len, cp.multiple)
@@ -286,19 +260,75 @@ def _shard(fields: dict[str, Any], cp, pad_token_id: int, ignore_index: int,
             x = torch.cat([x, x.new_full((bsz, extra), pad_token_id)], dim=1)
         else:
             x = torch.cat([x, x.new_zeros((bsz, extra, x.shape[2]))], dim=1)
-    local: dict[str, torch.Tensor] = {
-        key: cp.shard(x, dim=1),
-        "position_ids": cp.positions(padded, device=device).unsqueeze(0).repeat(bsz, 1),
-    }
+    targets = None
     if labels is not None:
         targets = shift_labels(labels.long(), mask, ignore_index)
         if extra:
             targets = torch.cat([targets, targets.new_full((bsz, extra), ignore_index)], dim=1)
+    if rows.docs is None:
+        # consecutive positions from each row's first one; the pads after the real tokens continue them
+        start = torch.tensor(rows.start, device=device).unsqueeze(1)
+        local: dict[str, torch.Tensor] = {
+            key: cp.shard(x, dim=1),
+            "position_ids": cp.positions(padded, device=device).unsqueeze(0) + start,
+        }
+        local_targets = cp.shard(targets, dim=1) if targets is not None else None
+    else:
+        packs = [Packed((*(d or (n,)), *((padded - n,) if padded > n else ())))
+                 for d, n in zip(rows.docs, rows.n_real)]
+        if targets is not None:
+            for r, pack in enumerate(packs):  # a document's last token predicts nothing (the next is another's)
+                targets[r, [e - 1 for e in pack.starts()[1:]]] = ignore_index
+        local = {
+            key: torch.cat([cp.shard(x[r:r + 1], dim=1, documents=p) for r, p in enumerate(packs)]),
+            "position_ids": torch.stack([cp.shard(p.position_ids(device), dim=0, documents=p) for p in packs]),
+        }
+        local_targets = (torch.cat([cp.shard(targets[r:r + 1], dim=1, documents=p) for r, p in enumerate(packs)])
+                         if targets is not None else None)
+        cu = sorted({r * padded + s_ for r, p in enumerate(packs) for s_ in p.starts()})
+        local["cu_seq_lens_q"] = local["cu_seq_lens_k"] = torch.tensor(cu, dtype=torch.int32, device=device)
+    if targets is not None:
         if num_items_in_batch is None:
             # max(., 1): a batch with no loss token gives loss 0 (and zero grads) instead of NaN.
             num_items_in_batch = max(int((targets != ignore_index).sum()), 1)
-        local_targets = cp.shard(targets, dim=1)
         local["labels"] = local_targets
         local["shift_labels"] = local_targets
         local["num_items_in_batch"] = torch.as_tensor(num_items_in_batch, device=device)
     return local
+
+
+class _OneRank:
+    """The layout of a single rank (what `count_loss_tokens` shards with): every token stays."""
+
+    size, rank, multiple = 1, 0, 1
+
+    def shard(self, x: torch.Tensor, dim: int = 1, documents=None) -> torch.Tensor:
+        return x
+
+    def positions(self, seq_len: int, device=None) -> torch.Tensor:
+        return torch.arange(seq_len, device=device)
+
+
+def count_loss_tokens(batch: Mapping[str, Any], ignore_index: int = -100) -> int:
+    """The loss tokens cp.shard_batch counts for this full batch (shifted targets that are not ignored,
+    not padding, and not across a packed document's end): what to pass as num_items_in_batch when
+    summing several micro-batches, e.g. for gradient accumulation."""
+    fields = _validated(batch, ignore_index, None)
+    if fields["labels"] is None:
+        return 0
+    return int(_shard(fields, _OneRank(), 0, ignore_index, None)["shift_labels"].ne(ignore_index).sum())
+
+
+def source_index(batch: Mapping[str, Any], cp) -> torch.Tensor:
+    """(batch, local_len): the column of the FULL batch each local token of `shard_batch(batch, cp)` holds,
+    -1 for the internal padding (left-padded rows are rolled, packed rows laid out per document)."""
+    fields = _validated({k: v for k, v in batch.items() if k != "labels"}, -100, None)
+    x = fields["inputs"]
+    fields = {**fields, "key": "input_ids", "inputs": torch.arange(x.shape[1], device=x.device).expand(x.shape[:2])}
+    return _shard(fields, cp, -1, -100, None)["input_ids"]
+
+
+def documents_of(cu_seq_lens: torch.Tensor, bsz: int, seq_len: int) -> list[Packed]:
+    """Per-row packed documents from the GLOBAL cu_seq_lens of a local batch (what shard_batch makes);
+    seq_len is the full (padded) row length."""
+    return [Packed(d) for d in _documents_from_cu(cu_seq_lens, bsz, seq_len)]

@@ -4,7 +4,8 @@ A `Pattern` says which key j a query i sees (all in GLOBAL positions of the full
 rank computes the same thing):
 - causal: j <= i (else any j of the same segment);
 - window w (sliding window, Hugging Face's convention): i - w < j <= i;
-- chunk_size C (Llama 4 chunked local attention): i // C == j // C;
+- chunk_size C (Llama 4 chunked local attention): i // C == j // C, counted from each document's
+  start in a packed row (what running every document on its own gives);
 - documents (a packed row): i and j in the same document.
 Chunks and documents cut the sequence into *segments*; inside a segment, query i sees the keys j
 with lo(i) <= j <= hi(i), where lo(i) = i - w + 1 (or the segment start) and hi(i) = i (or the
@@ -71,7 +72,9 @@ def boundaries(seq_len: int, pattern: Pattern) -> tuple[int, ...]:
     if pattern.documents is not None:
         cuts.update(pattern.documents.starts())
     if pattern.chunk_size is not None:
-        cuts.update(range(0, seq_len, pattern.chunk_size))
+        starts = pattern.documents.starts() if pattern.documents is not None else (0, seq_len)
+        for a, b in zip(starts, starts[1:]):
+            cuts.update(range(a, b, pattern.chunk_size))
     return tuple(sorted(c for c in cuts if c <= seq_len))
 
 

@@ -4,6 +4,11 @@ The order is a pure function of (seed, optimizer step): sequence stream position
 + j lies in epoch p // n, at index perm(seed, epoch)[p % n]. So resuming needs only the step number,
 any dp x cp layout sees the same sequences per optimizer step, and every rank of a CP group builds
 the same full micro-batch without communicating (`cp.shard_batch` then keeps its part).
+
+Packed rows (`longdoc data prepare --pack`: several documents per row, position_ids restarting at 0 at
+each document) train exactly: the micro-batch carries their position_ids, cp.shard_batch lays each
+document out on its own and the attention never crosses a document, and a document's last token
+predicts nothing (`loss_tokens` counts the same targets).
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ class Sequences:
     (memory-mapped Arrow: a corpus of 128k-token rows is not copied into every rank's Python heap)."""
 
     def __init__(self, ds, source: str):
-        self.ds = ds.with_format("torch", columns=["input_ids", "labels"])
+        self.has_positions = "position_ids" in ds.column_names
+        columns = ["input_ids", "labels"] + (["position_ids"] if self.has_positions else [])
+        self.ds = ds.with_format("torch", columns=columns)
         self.source = source
         self._fingerprint: dict | None = None
 
@@ -35,6 +42,20 @@ class Sequences:
     def row(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.ds[int(i)]
         return r["input_ids"].long(), r["labels"].long()
+
+    def position_ids(self, i: int) -> torch.Tensor | None:
+        """The row's position ids when it packs several documents (they restart at 0), else None."""
+        if not self.has_positions:
+            return None
+        pos = self.ds[int(i)]["position_ids"].long()
+        return pos if bool((pos[1:] == 0).any()) else None
+
+    def loss_targets(self, i: int) -> torch.Tensor:
+        """Bool (len - 1,): which next-token targets count (a label, and not the start of another document)."""
+        labels = self.row(i)[1]
+        keep = labels[1:] != IGNORE
+        pos = self.position_ids(i)
+        return keep & (pos[1:] != 0) if pos is not None else keep
 
     def scan(self, vocab_size: int) -> dict:
         """One pass over every row: token-id range check and a content fingerprint."""
@@ -94,9 +115,10 @@ def _load_tokenized(path: Path, seq_len: int):
     else:
         kind = "parquet" if path.suffix == ".parquet" else "json"
         ds = datasets.load_dataset(kind, data_files=str(path), split="train")
-    if "cu_seqlens" in ds.column_names and any(len(c) > 2 for c in ds["cu_seqlens"]):
-        raise RecipeError(f"data.path: {path} holds packed rows (several documents per row); under CP they would "
-                          f"attend to each other. Prepare again without --pack")
+    if "cu_seqlens" in ds.column_names and "position_ids" not in ds.column_names:
+        raise RecipeError(f"data.path: {path} holds packed rows (cu_seqlens) without position_ids; the documents of "
+                          f"a row are read from position_ids restarting at 0 (prepare again with `longdoc data "
+                          f"prepare --pack`)")
     if "labels" not in ds.column_names:
         ds = ds.add_column("labels", ds["input_ids"])
     lengths = ds["num_tokens"] if "num_tokens" in ds.column_names else [len(x) for x in ds["input_ids"]]
@@ -210,8 +232,9 @@ class StepSchedule:
 
 
 def loss_tokens(seqs: Sequences, indices: Sequence[int]) -> int:
-    """Number of tokens with a loss (after the causal shift) in these sequences."""
-    return sum(int((seqs.row(i)[1][1:] != IGNORE).sum()) for i in indices)
+    """Number of tokens with a loss (after the causal shift) in these sequences; in a packed row the
+    last token of a document predicts nothing."""
+    return sum(int(seqs.loss_targets(i).sum()) for i in indices)
 
 
 def num_tokens(seqs: Sequences, indices: Sequence[int]) -> int:
@@ -219,12 +242,22 @@ def num_tokens(seqs: Sequences, indices: Sequence[int]) -> int:
 
 
 def collate(seqs: Sequences, indices: Sequence[int], pad_id: int) -> dict[str, torch.Tensor]:
-    """Full (unsharded) micro-batch: right-padded input_ids and unshifted labels, (batch, max_len)."""
+    """Full (unsharded) micro-batch: right-padded input_ids and unshifted labels, (batch, max_len); with
+    packed rows also position_ids restarting at 0 per document (the padding is one more document)."""
     rows = [seqs.row(i) for i in indices]
+    positions = [seqs.position_ids(i) for i in indices]
     length = max(x.numel() for x, _ in rows)
     ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), length), IGNORE, dtype=torch.long)
     for r, (x, y) in enumerate(rows):
         ids[r, :x.numel()] = x
         labels[r, :y.numel()] = y
-    return {"input_ids": ids, "labels": labels}
+    batch = {"input_ids": ids, "labels": labels}
+    if any(p is not None for p in positions):
+        pos = torch.zeros((len(rows), length), dtype=torch.long)
+        for r, ((x, _), p) in enumerate(zip(rows, positions)):
+            n = x.numel()
+            pos[r, :n] = p if p is not None else torch.arange(n)
+            pos[r, n:] = torch.arange(length - n)
+        batch["position_ids"] = pos
+    return batch

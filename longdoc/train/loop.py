@@ -324,8 +324,10 @@ def _forward_backward(acc, world: World, loss_model, params, seqs, schedule: Ste
         # DDP reduces gradients once, in the backward of the last micro-batch
         sync = contextlib.nullcontext() if m == len(micro) - 1 else acc.no_sync(loss_model)
         with sync:
+            cu = local.get("cu_seq_lens_q")  # packed rows: the documents' global boundaries
             share, _ = loss_model(local["input_ids"].to(world.device), local["position_ids"].to(world.device),
-                                  local["shift_labels"].to(world.device), n_loss)
+                                  local["shift_labels"].to(world.device), n_loss,
+                                  cu_seq_lens=cu.to(world.device) if cu is not None else None)
             acc.backward(share * world.world_size)  # undo DDP/FSDP's average over the world (docstring)
         loss_sum += share.detach().double().cpu()
     grad_norm = acc.clip_grad_norm_(params, max_grad_norm or float("inf"))

@@ -116,8 +116,10 @@ class LossModel(nn.Module):
     def head(self) -> LogitHead:
         return LogitHead(self.lm)
 
-    def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep_logits: bool = False):
-        """(final hidden states (batch, local_len, hidden), logits or None)."""
+    def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep_logits: bool = False,
+               cu_seq_lens: torch.Tensor | None = None):
+        """(final hidden states (batch, local_len, hidden), logits or None). cu_seq_lens: the packed
+        documents' global boundaries of a local batch (cp.shard_batch's cu_seq_lens_q), if any."""
         lm = self.lm
         grabbed = {}
 
@@ -127,13 +129,15 @@ class LossModel(nn.Module):
         hook = lm.get_decoder().register_forward_hook(grab)
         try:
             keep = 0 if keep_logits else torch.empty(0, dtype=torch.long, device=input_ids.device)
-            out = lm(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep)
+            packed = {} if cu_seq_lens is None else {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens}
+            out = lm(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep, **packed)
         finally:
             hook.remove()
         return grabbed["h"], (out.logits if keep_logits else None)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                num_loss_tokens: int | torch.Tensor = 1, probe: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                num_loss_tokens: int | torch.Tensor = 1, probe: bool = False,
+                cu_seq_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """labels: shifted local labels (-100 = no loss). Returns (ce_sum / num_loss_tokens, ce_sum).
 
         probe=True returns instead (max |model logits - chunked-head logits|, max |model logits|): it runs
@@ -143,7 +147,7 @@ class LossModel(nn.Module):
             h, ref = self.hidden(input_ids, position_ids, keep_logits=True)
             ref = ref.float()
             return (ref - self.head(h).float()).abs().max(), ref.abs().max()
-        h, _ = self.hidden(input_ids, position_ids)
+        h, _ = self.hidden(input_ids, position_ids, cu_seq_lens=cu_seq_lens)
         ce_sum = chunked_ce_sum(self.head, h, labels, self.chunk_tokens)
         return ce_sum / max(int(num_loss_tokens), 1), ce_sum
 

@@ -21,6 +21,8 @@ CP2_CASES = {
     # compute_metrics on the gathered logits: they must be the full sequence's, in token order
     "trainer-accum2": {"kind": "trainer", "batch": 1, "accum": 2, "eval_batch": 2, "metrics": True},
     "sft-completion-only": {"kind": "sft", "batch": 1, "accum": 2, "eval_batch": 2},
+    # DataCollatorWithFlattening rows under CP vs the padded rows on one process
+    "trainer-packed": {"kind": "trainer", "batch": 2, "accum": 1, "eval_batch": 2, "packed": True},
 }
 DP2CP2_CASES = {
     # eval batch 1: Trainer's eval_loss averages batch means, so only equal batches compare exactly; 5 rows

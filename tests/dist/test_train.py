@@ -7,12 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.training import ranks, tiny_recipe, train_on_ranks
-
-
-def max_rel_err(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-30)) for k in b)
+from tests.training import max_rel_err, ranks, tiny_recipe, train_on_ranks
 
 
 def test_dp_cp_equals_single_process(tmp_path):

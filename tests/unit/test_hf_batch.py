@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import longdoc
 from longdoc.hf import shard_batch, shift_labels
+from longdoc.parallel import layout
 from tests.fake_cp import FakeCP, loss_share
 
 
@@ -87,11 +88,59 @@ def test_num_items_override_and_empty_loss():
         shard_batch({"input_ids": ids, "labels": ids}, cp, num_items_in_batch=0)
 
 
-def test_left_padding_is_refused():
-    ids = torch.ones(2, 6, dtype=torch.long)
+def test_left_padding_is_rolled_to_the_right_keeping_positions():
+    ids = torch.arange(1, 13).view(2, 6)
     mask = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]])
-    with pytest.raises(ValueError, match=r"attention_mask has left padding in rows \[1\].*padding_side = 'right'"):
-        shard_batch({"input_ids": ids, "attention_mask": mask}, FakeCP(0, 2))
+    local = shard_batch({"input_ids": ids, "labels": ids, "attention_mask": mask}, FakeCP(0, 1))
+    assert local["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6], [9, 10, 11, 12, 7, 8]]
+    # every token keeps its position in the padded row; the pads (now last) continue after them
+    assert local["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5], [2, 3, 4, 5, 6, 7]]
+    # the pads predict nothing and are never predicted
+    assert local["shift_labels"].tolist() == [[2, 3, 4, 5, 6, -100], [10, 11, 12, -100, -100, -100]]
+    assert int(local["num_items_in_batch"]) == 8
+    with_pos = shard_batch({"input_ids": ids, "attention_mask": mask,
+                            "position_ids": torch.tensor([[0, 1, 2, 3, 4, 5], [1, 1, 0, 1, 2, 3]])}, FakeCP(0, 1))
+    assert with_pos["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5]]
+
+
+def test_packed_rows_hf_format():
+    """DataCollatorWithFlattening's output: documents keep their positions, never predict across."""
+    from transformers import DataCollatorWithFlattening
+
+    feats = [{"input_ids": list(range(10, 15))}, {"input_ids": list(range(20, 23))}, {"input_ids": [30]}]
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)(
+        [{**f, "labels": f["input_ids"]} for f in feats])
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 0]]
+    parts = [shard_batch(batch, FakeCP(r, 2)) for r in range(2)]
+    docs = layout.Packed((5, 3, 1, 3))  # 9 tokens padded to 12 (cp.multiple 4): one padding document
+    for r, local in enumerate(parts):
+        assert local["cu_seq_lens_q"].tolist() == [0, 5, 8, 9, 12]
+        assert torch.equal(local["input_ids"][0], docs.shard(torch.tensor([*range(10, 15), 20, 21, 22, 30, 0, 0, 0]),
+                                                             0, r, 2))
+        assert torch.equal(local["position_ids"][0], docs.shard(docs.position_ids(), 0, r, 2))
+    full = layout.Packed.unshard(docs, [p["shift_labels"][0] for p in parts], 0)
+    # a document's last token predicts nothing; the single-token document has no target at all
+    assert full.tolist() == [11, 12, 13, 14, -100, 21, 22, -100, -100, -100, -100, -100]
+    assert int(parts[0]["num_items_in_batch"]) == 6
+    # the same row from position_ids alone, or from cu_seq_lens alone
+    for only in ("position_ids", "cu_seq_lens_q"):
+        alone = shard_batch({"input_ids": batch["input_ids"], only: batch[only]}, FakeCP(1, 2))
+        assert torch.equal(alone["input_ids"], parts[1]["input_ids"])
+        assert torch.equal(alone["position_ids"], parts[1]["position_ids"])
+
+
+def test_packed_rows_refusals():
+    ids = torch.ones(1, 6, dtype=torch.long)
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    with pytest.raises(ValueError, match="neither consecutive nor packed"):
+        shard_batch({"input_ids": ids, "position_ids": torch.tensor([[0, 1, 3, 0, 1, 2]])}, FakeCP(0, 2))
+    with pytest.raises(ValueError, match="cu_seq_lens_q disagrees with position_ids"):
+        shard_batch({"input_ids": ids, "position_ids": pos, "cu_seq_lens_q": torch.tensor([0, 2, 6])}, FakeCP(0, 2))
+    with pytest.raises(ValueError, match="packed rows .* with left padding"):
+        shard_batch({"input_ids": ids, "position_ids": torch.tensor([[0, 0, 1, 0, 1, 2]]),
+                     "attention_mask": torch.tensor([[0, 1, 1, 1, 1, 1]])}, FakeCP(0, 2))
+    with pytest.raises(ValueError, match="increasing document boundaries"):
+        shard_batch({"input_ids": ids, "cu_seq_lens_q": torch.tensor([0, 4, 3, 6])}, FakeCP(0, 2))
 
 
 def test_holes_in_the_mask_are_refused():
@@ -109,9 +158,18 @@ def test_bad_batches_are_refused():
         shard_batch({"labels": ids}, cp)
     with pytest.raises(ValueError, match=r"labels has shape \(1, 5\), expected \(1, 6\)"):
         shard_batch({"input_ids": ids, "labels": ids[:, :5]}, cp)
-    with pytest.raises(ValueError, match="packed sequences"):
-        shard_batch({"input_ids": ids, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]])}, cp)
     # plain positions are fine (many collators add them)
     shard_batch({"input_ids": ids, "position_ids": torch.arange(6).unsqueeze(0)}, cp)
     with pytest.raises(ValueError, match="the sequence is empty"):
         shard_batch({"input_ids": torch.ones(1, 0, dtype=torch.long)}, cp)
+
+
+def test_count_loss_tokens_matches_shard_batch():
+    from longdoc.parallel.batch import count_loss_tokens
+
+    ids = torch.arange(1, 13).view(2, 6)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]])
+    assert count_loss_tokens({"input_ids": ids, "labels": ids, "attention_mask": mask}) == 4 + 3
+    packed = {"input_ids": ids[:1], "labels": ids[:1], "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0]])}
+    assert count_loss_tokens(packed) == 3  # 2 + 1 + 0: no target across a document's end
+    assert int(shard_batch(packed, FakeCP(1, 2))["num_items_in_batch"]) == 3

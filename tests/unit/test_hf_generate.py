@@ -99,7 +99,7 @@ def test_patched_model_generate_routes_through_the_session(cp):
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(num_beams=2), "the argument\\(s\\) num_beams"),
-    (dict(attention_mask=torch.tensor([[0] * 3 + [1] * 18])), "an attention_mask with padding"),
+    (dict(attention_mask=torch.tensor([[1] * 18 + [0] * 3])), "an attention_mask that is not left padding"),
     (dict(input_ids=None), "no \\(batch, len\\) integer input_ids"),
 ])
 def test_patched_model_generate_names_the_call_that_works(cp, kwargs, match):
@@ -129,3 +129,51 @@ def test_checksum_sees_every_change():
     assert checksum(torch.tensor([0.0])) != checksum(torch.tensor([-0.0]))
     for t in (torch.ones(3, dtype=torch.bool), torch.randn(2, 3, 5).bfloat16(), torch.randn(4).double()):
         assert checksum(t) == checksum(t.clone())
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "gpt_oss", "gemma2"])
+def test_decoding_honours_windows_sinks_and_softcap(cp, arch):
+    """Prompt + new tokens cross the 7-token window: every decoded token sees only its window on the
+    sliding layers (sinks / soft-capping apply), exactly as transformers' own cached decoding."""
+    from tests.hf_families import family_pair
+
+    ref, model = family_pair(arch, dtype=torch.float64)
+    ids = _ids(12)
+    want = ref.generate(ids, max_new_tokens=9, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    got = generate(model, cp, ids, 9, return_logits=True)
+    assert torch.equal(got.tokens, want.sequences[:, 12:])
+    assert (got.logits - torch.stack(want.logits, dim=1).float()).abs().max() <= 1e-5
+    # and through a rollback: the cached positions go back with the cache
+    with KVSession(model, cp) as session:
+        logits = session.prefill(ids)
+        mark = session.mark()
+        session.extend(_ids(5, seed=3))
+        session.rollback(mark)
+        again = session.greedy(logits, 9)
+    assert torch.equal(again.tokens, got.tokens)
+
+
+def test_left_padded_prompts_generate_like_transformers(cp):
+    """model.generate with left-padded prompts of unequal length (padding_side='left'): each prompt decodes
+    as transformers decodes it in the padded batch (pads see nothing, positions count from the first token)."""
+    ref, model = models.tiny_model("llama", seed=4).eval(), models.tiny_model("llama", seed=4).eval()
+    ids = _ids(14, bsz=2)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    want = ref.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    patch(model, cp)
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=8), want)
+
+
+def test_left_padded_prompts_with_a_window_decode_as_alone(cp):
+    # (transformers' own eager Gemma 3 turns a left-padded row into NaN, so each prompt alone is the reference)
+    from tests.hf_families import family_pair
+
+    ref, model = family_pair("gemma3_text", dtype=torch.float64)
+    ids = _ids(14, bsz=2)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    got = generate(model, cp, ids, 9, attention_mask=mask).tokens
+    for r, n in enumerate((0, 5)):
+        alone = ref.generate(ids[r:r + 1, n:], max_new_tokens=9, do_sample=False, eos_token_id=None)
+        assert torch.equal(got[r:r + 1], alone[:, 14 - n:])

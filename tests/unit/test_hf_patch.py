@@ -151,19 +151,28 @@ def test_prefill_at_size_one(cp):
 
 # ---- refusals: config features (at patch time) ----
 
-def test_refuses_attention_softcapping(cp):
-    config = AutoConfig.for_model("gemma2", **TINY)
-    _refuses(r"Gemma2ForCausalLM uses attention logit soft-capping \(attn_logit_softcapping=50.0\)",
-             patch, AutoModelForCausalLM.from_config(config), cp)
+def _eager_pair(arch: str, **overrides):
+    """(reference, model to patch): one random-init model and its deep copy, eager attention (the
+    reference implementation of soft-capping, windows and chunks in transformers)."""
+    config = AutoConfig.for_model(arch, **{**TINY, "initializer_range": 0.1, **overrides})
+    torch.manual_seed(3)
+    ref = AutoModelForCausalLM.from_config(config, attn_implementation="eager", experts_implementation="eager")
+    return ref, copy.deepcopy(ref)
 
 
-def test_refuses_softcap_passed_at_call_time(cp):
-    config = AutoConfig.for_model("gemma2", **TINY, attn_logit_softcapping=None, sliding_window=64)
-    model = patch(AutoModelForCausalLM.from_config(config), cp)
-    for m in model.modules():
+def test_softcapping_is_exact_and_read_per_call(cp):
+    ref, model = _eager_pair("gemma2", attn_logit_softcapping=5.0, sliding_window=64)
+    patch(model, cp)
+    ids = _ids(20)
+    want = ref(input_ids=ids, labels=ids)
+    assert abs(_run(model, cp, ids).loss.item() - want.loss.item()) <= 1e-5
+    # the cap is read at call time: changing it on the modules changes both models alike
+    for m in (*ref.modules(), *model.modules()):
         if hasattr(m, "attn_logit_softcapping"):
-            m.attn_logit_softcapping = 30.0
-    _refuses(r"uses attention logit soft-capping \(softcap=30.0\)", _run, model, cp, _ids())
+            m.attn_logit_softcapping = 0.05
+    capped = ref(input_ids=ids, labels=ids).loss
+    assert abs(capped.item() - want.loss.item()) > 1e-3  # the cap matters at this size
+    assert abs(_run(model, cp, ids).loss.item() - capped.item()) <= 1e-5
 
 
 def test_refuses_alibi(cp):
@@ -181,13 +190,38 @@ def test_refuses_bidirectional(cp):
     _refuses("non-causal \\(bidirectional\\) attention", _run, model, cp, _ids())
 
 
-def test_refuses_other_layer_kinds_and_chunked_attention(cp):
+def test_refuses_other_layer_kinds_and_unusable_chunks(cp):
     model = models.tiny_model("llama")
     model.config.layer_types = ["full_attention", "linear_attention"]
     _refuses("uses layers of type 'linear_attention'", patch, model, cp)
     model = models.tiny_model("llama")
-    model.config.attention_chunk_size = 8
-    _refuses(r"chunked local attention \(attention_chunk_size=8\)", patch, model, cp)
+    model.config.layer_types = ["chunked_attention", "full_attention"]
+    _refuses(r"chunked attention layers without a valid attention_chunk_size \(None\)", patch, model, cp)
+    config = AutoConfig.for_model("llama4_text", **TINY, no_rope_layers=[1, 0], attn_temperature_tuning=True)
+    _refuses(r"Llama4ForCausalLM uses attention temperature tuning on NoPE layers", patch,
+             AutoModelForCausalLM.from_config(config), cp)
+
+
+@pytest.mark.parametrize("arch,overrides,kind,name", [
+    ("mamba", {}, "linear_attention", "MambaForCausalLM"),
+    ("qwen3_next", {}, "linear_attention", "Qwen3NextForCausalLM"),
+    ("lfm2", {"full_attn_idxs": [1]}, "conv", "Lfm2ForCausalLM"),
+])
+def test_refuses_state_space_linear_and_convolution_layers_by_name(cp, arch, overrides, kind, name):
+    config = AutoConfig.for_model(arch, **TINY, **overrides)
+    _refuses(rf"{name} uses layers of type '{kind}'", patch, AutoModelForCausalLM.from_config(config), cp)
+
+
+def test_chunked_attention_is_exact(cp):
+    ref, model = _eager_pair("llama4_text", attention_chunk_size=6, no_rope_layers=[1, 0],
+                             attn_temperature_tuning=False, intermediate_size_mlp=128, num_local_experts=2)
+    assert ref.config.layer_types[0] == "chunked_attention"
+    patch(model, cp)
+    ids = _ids(21)
+    want = ref(input_ids=ids, labels=ids)
+    out = _run(model, cp, ids)
+    assert (out.logits[:, :21] - want.logits).abs().max() <= 1e-5
+    assert abs(out.loss.item() - want.loss.item()) <= 1e-6
 
 
 def test_refuses_moe_router_aux_loss(cp):
@@ -200,15 +234,15 @@ def test_refuses_moe_router_aux_loss(cp):
 
 # ---- refusals: per call ----
 
-def test_sliding_window_shorter_than_the_sequence_is_refused_longer_works(cp):
-    model = patch(models.tiny_model("mistral", sliding_window=16), cp)
-    _refuses(r"MistralForCausalLM uses sliding-window attention \(window 16 < sequence length 20",
-             _run, model, cp, _ids(20))
-    ids = _ids(16)
-    ref = models.tiny_model("mistral", sliding_window=16)(input_ids=ids, labels=ids).loss
-    assert abs(_run(model, cp, ids).loss.item() - ref.item()) <= 1e-6
-    # 15 tokens are padded to 16 (cp.multiple 2): still within the window
-    _run(model, cp, _ids(15))
+def test_sliding_window_shorter_than_the_sequence_is_exact(cp):
+    model = patch(models.tiny_model("mistral", sliding_window=5), cp)
+    ids = _ids(20)
+    ref = models.tiny_model("mistral", sliding_window=5)(input_ids=ids, labels=ids)
+    full = models.tiny_model("mistral")(input_ids=ids, labels=ids)
+    assert abs(ref.loss.item() - full.loss.item()) > 1e-4  # the window matters at this length
+    out = _run(model, cp, ids)
+    assert (out.logits[:, :20] - ref.logits).abs().max() <= 1e-5
+    assert abs(out.loss.item() - ref.loss.item()) <= 1e-6
 
 
 def test_refuses_custom_4d_mask(cp):
@@ -237,8 +271,22 @@ def test_refuses_left_padding_passed_to_the_model(cp):
     mask[0, :4] = 0
     local = cp.shard_batch({"input_ids": ids})
     _refuses("left padding or holes in attention_mask", model, **local, attention_mask=mask)
-    with pytest.raises(ValueError, match="left padding"):
-        cp.shard_batch({"input_ids": ids, "attention_mask": mask})
+
+
+def test_left_padding_through_shard_batch_is_exact(cp):
+    model = patch(models.tiny_model("llama"), cp)
+    ids = _ids(20, bsz=2)
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    out = _run(model, cp, ids, attention_mask=mask)
+    # reference: each row alone without its pads, every token at its position in the padded row
+    ref = models.tiny_model("llama")
+    labels = ids.clone()
+    labels[1, :7] = -100  # pads, and the first real token (a pad would predict it)
+    want = ref(input_ids=ids, attention_mask=mask, labels=labels).loss
+    row1 = ref(input_ids=ids[1:, 6:], position_ids=torch.arange(6, 20)[None]).logits
+    assert abs(out.loss.item() - want.item()) <= 1e-5
+    assert (out.logits[1, :14] - row1[0]).abs().max() <= 1e-5  # rolled: the real tokens come first
 
 
 def test_refuses_inputs_not_built_by_shard_batch(cp):
@@ -251,7 +299,8 @@ def test_refuses_inputs_not_built_by_shard_batch(cp):
 
     bad("no position_ids under context parallelism", input_ids=ids)
     bad("position_ids that are not this rank's global positions", input_ids=ids,
-        position_ids=torch.arange(1, 21)[None])
+        position_ids=torch.arange(20).flip(0)[None])
+    model(input_ids=ids, position_ids=torch.arange(3, 23)[None])  # a row numbered from another start is fine
     bad("labels without shift_labels", input_ids=ids, position_ids=torch.arange(20)[None], labels=ids)
     bad("shift_labels without num_items_in_batch", input_ids=ids, position_ids=torch.arange(20)[None],
         labels=ids, shift_labels=ids)

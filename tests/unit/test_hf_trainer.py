@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from longdoc.hf.trainer import CPTrainer, CPTrainerMixin, check_cp_size
-from tests.trainer_cases import collate, rows
+from tests.trainer_cases import collate, rows, sft_rows, word_tokenizer
 
 
 def _args(tmp_path, **kw):
@@ -37,16 +37,22 @@ def test_cp_size_larger_than_the_world_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("flag", ["packing", "padding_free"])
-def test_trl_packing_is_refused_by_name(tmp_path, flag):
+def test_trl_packing_is_accepted(tmp_path, flag):
+    """Packed / padding-free rows are exact under CP (shard_batch masks the documents): no refusal."""
     from trl import SFTConfig, SFTTrainer
 
     class CPSFTTrainer(CPTrainerMixin, SFTTrainer):
         pass
 
-    args = SFTConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False, **{flag: True})
-    with pytest.raises(ValueError, match=f"{flag}=True is not supported yet: packed documents would attend to each "
-                                         f"other.*Set packing=False and padding_free=False"):
-        CPSFTTrainer(model=_model(), args=args, train_dataset=rows([8], 0))
+    from datasets import Dataset
+
+    args = SFTConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False,
+                     max_length=64 if flag == "packing" else None, **{flag: True})
+    trainer = CPSFTTrainer(model=_model(), args=args, processing_class=word_tokenizer(),
+                           train_dataset=Dataset.from_list(sft_rows([8, 5], 0)))
+    assert trainer.cp.size == 1
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(trainer.train_dataset))])
+    assert "position_ids" in trainer._full_batch(batch)
 
 
 def test_label_smoothing_and_custom_loss_are_refused(tmp_path):
@@ -62,10 +68,7 @@ def test_batches_cp_cannot_run_exactly_are_refused(tmp_path):
     batch = collate(rows([8, 5], 0))
     assert set(trainer._full_batch(batch)) == {"input_ids", "labels", "attention_mask"}
     packed = dict(batch, position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]] * 2))
-    with pytest.raises(ValueError, match="position_ids restart inside a row.*packed documents would attend"):
-        trainer._full_batch(packed)
-    plain = dict(batch, position_ids=torch.arange(8).repeat(2, 1))
-    assert "position_ids" not in trainer._full_batch(plain)  # shard_batch computes the global positions
+    assert "position_ids" in trainer._full_batch(packed)  # packed rows go on to shard_batch's document masking
     with pytest.raises(ValueError, match=r"the batch holds \['token_type_ids'\]"):
         trainer._full_batch(dict(batch, token_type_ids=torch.zeros_like(batch["input_ids"])))
     with pytest.raises(ValueError, match="the batch has no labels"):
