@@ -2,6 +2,7 @@
 
 Importing this package imports transformers; `import longdoc` alone does not.
 
+    modelinfo.py  the model behind a wrapper, its name, config features refused by name, RoPE limits
     attention.py  the "longdoc_cp" backend: the one registration, per-call checks, dispatch by mode
     patch.py      patch / unpatch: the backend, the CP loss share, per-call input checks, model.generate
     session.py    KVSession and generate(): CP prefill, extend, rollback, greedy or seeded sampling
@@ -11,7 +12,7 @@ Importing this package imports transformers; `import longdoc` alone does not.
     trainer.py    CPTrainer / CPTrainerMixin: transformers.Trainer (and TRL) under CP
 """
 
-from longdoc.hf.attention import UnsupportedFeatureError
+from longdoc.hf.modelinfo import UnsupportedFeatureError
 from longdoc.hf.patch import is_patched, patch, unpatch
 from longdoc.hf.session import Generation, KVSession, generate
 from longdoc.parallel.batch import CPInputError, shard_batch, shift_labels

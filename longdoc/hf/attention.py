@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from longdoc.hf import decode
+from longdoc.hf.modelinfo import model_name, positive_int, refuse
 from longdoc.parallel.api import ContextParallel, attention
 from longdoc.parallel.batch import documents_of
 
@@ -41,10 +42,6 @@ _UNSUPPORTED_KWARGS = {
     "cu_seqlens": "packed variable-length sequences given as cu_seqlens (pass position_ids restarting at 0 "
                   "per document to cp.shard_batch instead)",
 }
-
-# Layer kinds whose attention the CP core computes (full causal, sliding window, Llama 4 chunks); the MLP
-# kinds carry no attention at all. Anything else (linear attention, SSM, convolutions) is refused by name.
-_SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "dense", "sparse", "moe"}
 
 
 @dataclass
@@ -92,99 +89,6 @@ class CPHandle:
 
     def __repr__(self) -> str:
         return f"CPHandle({self.cp!r}, strategy={self.strategy!r}, model={self.model_name!r}, mode={self.mode!r})"
-
-
-class UnsupportedFeatureError(NotImplementedError):
-    """A model feature the context-parallel path cannot reproduce exactly."""
-
-
-def refuse(model_name: str, feature: str, fix: str) -> UnsupportedFeatureError:
-    return UnsupportedFeatureError(
-        f"longdoc.patch: {model_name} uses {feature}, which context-parallel attention cannot reproduce "
-        f"exactly; {fix}"
-    )
-
-
-# ---- the model and its config ----
-
-def hf_model(model: torch.nn.Module):
-    """The transformers PreTrainedModel in `model` (itself, or the one inside e.g. a PEFT wrapper)."""
-    from transformers import PreTrainedModel
-
-    for m in model.modules():  # the model itself first, then e.g. the model inside a PEFT wrapper
-        if isinstance(m, PreTrainedModel):
-            return m
-    raise TypeError(f"longdoc.patch needs a transformers PreTrainedModel (or a wrapper holding one), "
-                    f"got {type(model).__name__}")
-
-
-def model_name(hf) -> str:
-    """How errors name a model: its class and, when known, where it was loaded from."""
-    path = getattr(hf.config, "_name_or_path", "") or ""
-    return f"{type(hf).__name__} ({path})" if path else type(hf).__name__
-
-
-def num_layers(config) -> int:
-    return int(getattr(config.get_text_config(), "num_hidden_layers", 1) or 1)
-
-
-def _configs(config) -> list:
-    out = [config]
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if text is not config:
-        out.append(text)
-    return out
-
-
-def check_config(config, name: str) -> None:
-    """Refuse, by name, config features that make attention differ from what the CP core computes."""
-    for c in _configs(config):
-        if not getattr(c, "is_causal", True) or getattr(c, "use_bidirectional_attention", False):
-            raise refuse(name, "non-causal (bidirectional) attention",
-                         "context parallelism here covers causal language models only")
-        if (getattr(c, "alibi", False) or getattr(c, "position_embedding_type", None) == "alibi"
-                or getattr(c, "model_type", None) in ("bloom", "mpt")):
-            raise refuse(name, "ALiBi position biases", "use a RoPE or absolute-position model")
-        types = list(getattr(c, "layer_types", None) or ())
-        kinds = sorted(set(types) - _SUPPORTED_LAYER_TYPES)
-        if kinds:
-            raise refuse(name, f"layers of type {', '.join(map(repr, kinds))} (linear attention, state-space or "
-                         f"convolution layers have no attention pattern the CP core computes)",
-                         "only full, sliding-window and chunked causal attention layers are supported")
-        if "chunked_attention" in types and not _positive_int(getattr(c, "attention_chunk_size", None)):
-            raise refuse(name, f"chunked attention layers without a valid attention_chunk_size "
-                         f"({getattr(c, 'attention_chunk_size', None)!r})", "set config.attention_chunk_size")
-        no_rope = getattr(c, "no_rope_layers", None)
-        if getattr(c, "attn_temperature_tuning", False) and no_rope is not None and not all(no_rope):
-            # Llama 4 scales the queries of its NoPE layers by a function of the LOCAL token index
-            # (torch.arange over the call's tokens), which differs on every CP rank.
-            raise refuse(name, "attention temperature tuning on NoPE layers (attn_temperature_tuning=True)",
-                         "it scales queries by the token's index in the call, not its position; set "
-                         "config.attn_temperature_tuning = False only if you accept a different model")
-        if getattr(c, "output_router_logits", False):
-            raise refuse(name, "the MoE router auxiliary loss (output_router_logits=True)",
-                         "it is a non-linear function of whole-sequence router statistics; "
-                         "set config.output_router_logits = False")
-
-
-def _positive_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
-
-
-def rope_limit(config) -> tuple[str, int] | None:
-    """(rope_type, length limit) for RoPE scalings that pick frequencies from the largest position id in
-    the call: under CP each rank sees different positions, so they agree only below the limit."""
-    for c in _configs(config):
-        params = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
-        per_layer = [p for p in params.values() if isinstance(p, dict)] or [params]
-        for p in per_layer:
-            kind = p.get("rope_type", p.get("type")) or "default"
-            if "dynamic" in kind:
-                return kind, int(c.max_position_embeddings)
-            if kind == "longrope":
-                return kind, int(p.get("original_max_position_embeddings")
-                                 or getattr(c, "original_max_position_embeddings", c.max_position_embeddings))
-    return None
 
 
 # ---- handles and the implementation switch ----
@@ -262,7 +166,7 @@ def _layer_type(handle: CPHandle, module) -> str | None:
 def layer_pattern(handle: CPHandle, module, kwargs: dict) -> LayerPattern | tuple[str, str]:
     """This call's pattern, or (feature, fix) when it is one the CP core does not compute."""
     window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
-    if window is not None and not _positive_int(window):
+    if window is not None and not positive_int(window):
         return f"a sliding window of unsupported form ({window!r})", "use an int window >= 1 (or none)"
     chunk = None
     text = handle.config.get_text_config() if handle.config is not None else None

@@ -27,16 +27,10 @@ import torch
 import torch.nn.functional as F
 
 from longdoc.hf import attention as backend
+from longdoc.hf import modelinfo
 from longdoc.hf import session as sessions
-from longdoc.hf.attention import (
-    CPHandle,
-    UnsupportedFeatureError,
-    check_config,
-    hf_model,
-    model_name,
-    refuse,
-    rope_limit,
-)
+from longdoc.hf.attention import CPHandle
+from longdoc.hf.modelinfo import UnsupportedFeatureError, check_config, hf_model, model_name, refuse, rope_limit
 from longdoc.parallel import comm
 from longdoc.parallel import layout as layouts
 from longdoc.parallel.api import ContextParallel, check_strategy
@@ -321,7 +315,7 @@ def patch(model: torch.nn.Module, cp: ContextParallel, *, strategy: str = "ring"
     old_loss = hf.__dict__.get("_loss_function")
     hf.loss_function = functools.partial(_cp_loss, handle)
     hf.generate = functools.partial(_generate, handle, hf)  # model.generate decodes through the CP session
-    n_layers = backend.num_layers(hf.config)
+    n_layers = modelinfo.num_layers(hf.config)
     hf.register_forward_pre_hook(functools.partial(_pre_forward, handle, inspect.signature(hf.forward)),
                                  with_kwargs=True)
     hf.register_forward_hook(functools.partial(_post_forward, handle, n_layers), with_kwargs=True)

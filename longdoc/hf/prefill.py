@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from longdoc.hf.attention import hf_model
+from longdoc.hf.modelinfo import hf_model
 from longdoc.parallel import comm
 from longdoc.parallel.api import ContextParallel
 from longdoc.parallel.batch import shard_batch, source_index

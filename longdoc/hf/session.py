@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from longdoc.hf import attention as backend
+from longdoc.hf import modelinfo
 from longdoc.hf.decode import Sampler, ShardedCache
 from longdoc.parallel import comm
 from longdoc.parallel import layout as layouts
@@ -49,9 +50,9 @@ class KVSession:
     def __init__(self, model: torch.nn.Module, cp: ContextParallel, *, strategy: str = "ring"):
         if not isinstance(cp, ContextParallel):
             raise TypeError(f"cp must be a longdoc.ContextParallel, got {type(cp).__name__}")
-        self.model, self.cp, self.hf = model, cp, backend.hf_model(model)
-        self.name = backend.model_name(self.hf)
-        backend.check_config(self.hf.config, self.name)
+        self.model, self.cp, self.hf = model, cp, modelinfo.hf_model(model)
+        self.name = modelinfo.model_name(self.hf)
+        modelinfo.check_config(self.hf.config, self.name)
         self.state = backend.Session(cp, check_strategy(strategy))
         self.cache = ShardedCache()
         self.counts = [0] * cp.size  # cached tokens per rank: identical arithmetic on every rank
@@ -94,7 +95,7 @@ class KVSession:
         with torch.no_grad():
             out = self.hf(input_ids=ids, position_ids=positions.unsqueeze(0).expand(ids.shape[0], -1),
                           cache=self.cache, use_cache=True, logits_to_keep=logits_to_keep)
-        backend.check_all_layers(self._handle, backend.num_layers(self.hf.config))
+        backend.check_all_layers(self._handle, modelinfo.num_layers(self.hf.config))
         return out.logits.float()
 
     # ---- prefill / extend ----
@@ -222,9 +223,9 @@ class KVSession:
                                f"rank of a CP group must decode the same prompt (read it identically on every rank)")
 
     def _check_rope(self, length: int) -> None:
-        limit = backend.rope_limit(self.hf.config)
+        limit = modelinfo.rope_limit(self.hf.config)
         if limit is not None and length > limit[1]:
-            raise backend.refuse(self.name, f"RoPE scaling {limit[0]!r} at {length} tokens (beyond its "
+            raise modelinfo.refuse(self.name, f"RoPE scaling {limit[0]!r} at {length} tokens (beyond its "
                                  f"{limit[1]}-token threshold)", "it picks frequencies from the largest position "
                                  "each rank sees; use a static RoPE scaling or shorter inputs")
 
