@@ -2,8 +2,8 @@
 
     rows = calibrate([TrainRun(model="tiny", cp=2, seq_len=16384), ...])
 
-The prediction is `longdoc.plan.memory.estimate` in CPU mode (fp32, no FSDP, DDP's gradient buckets, the "cpu" device's
-runtime constant), made from the model's config alone. The measurement is the
+The prediction is `longdoc.plan.memory.estimate` in CPU mode (the run's precision, fp32 or bf16 autocast; no FSDP,
+DDP's gradient buckets, the "cpu" device's runtime constant), made from the model's config alone. The measurement is the
 largest lifetime peak RSS of any rank (`runs.run_steps`). Nothing measured flows into the prediction.
 """
 
@@ -45,7 +45,7 @@ def run_shape(run: TrainRun) -> ModelShape:
 def setup_for(run: TrainRun) -> Setup:
     # The runs are launched ranks, so Accelerate wraps even cp=1 in DDP (gradient buckets P_t*4).
     return Setup(shape=run_shape(run), seq_len=run.seq_len, cp=run.cp, dp=1, checkpointing=run.checkpointing,
-                 loss_chunk=run.loss_chunk, lora=run.lora, device="cpu", ddp=True)
+                 loss_chunk=run.loss_chunk, lora=run.lora, device="cpu", precision=run.precision, ddp=True)
 
 
 def predict(run: TrainRun) -> MemoryEstimate:

@@ -30,6 +30,10 @@ the ring: being sent, being received, accumulating) * 2*N*kv*4. All-gather: full
 FSDP2 buffers: forward 2*P_l*c (current + prefetched layer), backward P_l*(3c + 4) (two layers of
 params, the unsharded gradient and its fp32 reduce copy); the root unit (embedding, lm_head, norm) stays
 unsharded from forward to the end of backward: P_root*c, + its lm_head gradient P_head*c.
+CPU bf16 autocast (weights fp32, c = 2 for matmul outputs): the residual stream, the norms and RoPE's cos/sin
+stay fp32 (4 where the text above says c), a norm's output is not kept, and each trainable linear reading it
+keeps its own bf16 copy c*h (3 for q/k/v, 2 for gate/up; fused projections one); autocast's bf16 weight
+copies: P_mm*c cached through forward and loss (full fine-tuning), saved per layer P_l*c for the backward.
 Optimizer step: + AdamW temporaries: foreach on GPU P_t*4/S; per-tensor on CPU 2*(largest tensor)*4.
 
 The step's peak is the largest of four phases, each a sum of the terms live at that moment:
@@ -47,7 +51,7 @@ from dataclasses import dataclass, field
 
 from longdoc.parallel.api import Strategy, check_strategy
 from longdoc.parallel.layout import Layout, check_layout, num_chunks, round_up
-from longdoc.plan.hardware import GIB, Device, device
+from longdoc.plan.hardware import GIB, Device, Precision, check_precision, device
 from longdoc.plan.shapes import ModelShape, lora_params_per_layer
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -72,12 +76,15 @@ class Setup:
     lora_rank: int = 16
     lora_targets: tuple[str, ...] = LORA_TARGETS
     device: str = "h100"
+    precision: Precision | None = None  # None: the device's own (bf16 on GPUs, fp32 on "cpu"); "bf16" on a CPU is
+    #                                     autocast over fp32 weights (train.mixed_precision: bf16)
     fsdp: bool | None = None  # None: the trainer's choice (FSDP2 for full fine-tuning on GPU)
     ddp: bool | None = None  # None: DDP when several ranks and no FSDP. Under a launcher Accelerate wraps even
     #                          a single process in DDP (its gradient buckets included), so CPU runs pass True.
 
     def __post_init__(self):
-        device(self.device)
+        check_precision(self.precision)
+        device(self.device, self.precision)
         check_strategy(self.strategy)
         check_layout(self.layout)
         if min(self.seq_len, self.cp, self.dp, self.micro_batch) < 1:
@@ -87,7 +94,7 @@ class Setup:
 
     @property
     def dev(self) -> Device:
-        return device(self.device)
+        return device(self.device, self.precision)
 
     @property
     def c(self) -> int:
@@ -181,8 +188,10 @@ class MemoryEstimate:
 
 
 def layer_bytes_per_token(shape: ModelShape, c: int, lora: bool = False, lora_rank: int = 16,
-                          lora_targets: tuple[str, ...] = LORA_TARGETS) -> float:
+                          lora_targets: tuple[str, ...] = LORA_TARGETS, autocast: bool = False) -> float:
     """A: bytes one decoder layer saves for backward per token (see the module docstring)."""
+    if autocast:
+        return _autocast_layer_bytes_per_token(shape, c, lora, lora_rank, lora_targets)
     h, q, kv, i, nh = shape.hidden, shape.q, shape.kv, shape.intermediate, shape.heads
     attn = c * (3 * q + 2 * kv) + 4 * nh
     if shape.fused_qkv:
@@ -203,6 +212,36 @@ def layer_bytes_per_token(shape: ModelShape, c: int, lora: bool = False, lora_ra
     return norms + attn + qk + mlp + c * lora_rank * len(lora_targets)
 
 
+def _autocast_layer_bytes_per_token(shape: ModelShape, c: int, lora: bool, lora_rank: int,
+                                    lora_targets: tuple[str, ...]) -> float:
+    """A under CPU autocast (fp32 weights, c-byte matmul outputs), counted with saved-tensor hooks in the tests.
+
+    The residual stream is fp32, so both norms run and keep fp32 tensors; their fp32 output is cast to bf16
+    by every linear that reads it, separately (autocast caches casts of weights only), and a linear whose
+    weight is trained keeps its own copy. Everything after the projections is bf16 as on a GPU.
+    """
+    h, q, kv, i, nh = shape.hidden, shape.q, shape.kv, shape.intermediate, shape.heads
+    attn = c * (3 * q + 2 * kv) + 4 * nh
+    if shape.fused_qkv:
+        attn += c * (q + kv)
+    qk = (4 * (q + kv) + 4 * (nh + shape.kv_heads) + c * (q + kv)) if shape.qk_norm else 0
+    # RMSNorm: fp32 input, rsqrt, and (weight trained) the fp32 normed x; LayerNorm: input, mean, rstd.
+    norm_base, normed = (4 * h + 8, 0) if shape.layernorm else (4 * h + 4, 4 * h)
+    # Phi-3 fuses gate/up as it fuses q/k/v: one reader of each norm's output.
+    attn_readers, mlp_readers = ("qkv_proj",) if shape.fused_qkv else ("q_proj", "k_proj", "v_proj"), \
+        ("gate_up_proj",) if shape.fused_qkv else ("gate_proj", "up_proj")
+    if not lora:
+        casts = c * h * (len(attn_readers) + len(mlp_readers))
+        return 2 * (norm_base + normed) + casts + attn + qk + 4 * c * i
+    # Frozen base: the norms keep no normed copy, frozen linears no input; each adapter keeps its bf16 input
+    # and its rank-r intermediate; the MLP keeps gate, up and act for the gradient to earlier layers.
+    targets = set(lora_targets)
+    fused = {"q_proj", "k_proj", "v_proj"} if shape.fused_qkv else set()
+    readers = sum(1 for t in (*attn_readers, *mlp_readers) if t in targets) + (1 if fused & targets else 0)
+    mlp = 3 * c * i + (c * i if "down_proj" in targets else 0)
+    return 2 * norm_base + c * h * readers + attn + qk + mlp + c * lora_rank * len(lora_targets)
+
+
 def _comm_buffers(s: Setup) -> float:
     n, kv, c = s.tokens, s.shape.kv, s.c
     if s.strategy == "ring":
@@ -219,10 +258,12 @@ def estimate(s: Setup) -> MemoryEstimate:
     h, i, q, v, nl = sh.hidden, sh.intermediate, sh.q, sh.vocab, sh.layers
     p, p_t, p_l = sh.params.total, s.trainable, sh.params.layer
     chunked = s.loss_chunk is not None
+    # r: bytes of the residual stream, norms and cos/sin: fp32 under CPU autocast (fp32 embeddings, fp32 adds)
+    r, wb = (4 if dev.autocast else c), dev.weight_bytes
     T = Term
 
     if s.lora:
-        weights = T("weights", "weights", f"P*c + P_t*4 = {p:,}*{c} + {p_t:,}*4", p * c + p_t * 4)
+        weights = T("weights", "weights", f"P*w + P_t*4 = {p:,}*{wb} + {p_t:,}*4", p * wb + p_t * 4)
     else:
         weights = T("weights", "weights", f"P*4/S = {p:,}*4/{S}", p * 4 / S)
     optimizer = T("AdamW moments", "optimizer", f"2*P_t*4/S = 2*{p_t:,}*4/{S}", 2 * p_t * 4 / S)
@@ -231,15 +272,15 @@ def estimate(s: Setup) -> MemoryEstimate:
         state.append(T("DDP gradient buckets", "grads", f"P_t*4 = {p_t:,}*4", p_t * 4))
     runtime = T("runtime", "runtime", f"{dev.name}: {dev.runtime_gib} GiB", dev.runtime_gib * GIB)
 
-    a_tok = layer_bytes_per_token(sh, c, s.lora, s.lora_rank, s.lora_targets)
+    a_tok = layer_bytes_per_token(sh, c, s.lora, s.lora_rank, s.lora_targets, autocast=dev.autocast)
     a = a_tok * n
-    rotary = T("rotary cos/sin", "activations", f"2*N*rotary_dim*c = 2*{n:,}*{sh.rotary_dim}*{c}",
-               2 * n * sh.rotary_dim * c)
+    rotary = T("rotary cos/sin", "activations", f"2*N*rotary_dim*c = 2*{n:,}*{sh.rotary_dim}*{r}",
+               2 * n * sh.rotary_dim * r)
 
     def saved(layers: int) -> Term:
         if s.checkpointing:
-            return T(f"checkpoints ({layers} layers)", "activations", f"{layers}*N*h*c = {layers}*{n:,}*{h}*{c}",
-                     layers * n * h * c)
+            return T(f"checkpoints ({layers} layers)", "activations", f"{layers}*N*h*c = {layers}*{n:,}*{h}*{r}",
+                     layers * n * h * r)
         return T(f"saved activations ({layers} layers)", "activations", f"{layers}*A*N = {layers}*{a_tok:,.0f}*{n:,}",
                  layers * a)
 
@@ -256,32 +297,37 @@ def estimate(s: Setup) -> MemoryEstimate:
                        f"P_root*c = {p_root:,}*{c}", p_root * c)]
 
     # forward of the last layer: every checkpoint + that layer's largest temporaries (gate, up, act)
-    forward = [*state, saved(nl), rotary, T("layer forward temporaries", "activations",
+    casts = _autocast_weights(s)
+    forward = [*state, saved(nl), rotary, *casts["forward"], T("layer forward temporaries", "activations",
                                             f"3*c*N*I = 3*{c}*{n:,}*{i:,}", 3 * c * n * i), *fsdp_root]
     if s.uses_fsdp:
         forward.append(T("FSDP layers gathered (current + prefetched)", "fsdp_buffers",
                          f"2*P_l*c = 2*{p_l:,}*{c}", 2 * p_l * c))
 
     # loss: the CE backward of the last chunk; earlier chunks' lm_head gradient exists already
-    loss = [*state, saved(nl), rotary,
-            T("final norm + loss inputs", "activations", f"N*(4h + 4 + 3ch) = {n:,}*(4*{h} + 4 + 3*{c}*{h})",
-              n * (4 * h + 4 + 3 * c * h)),
+    loss = [*state, saved(nl), rotary, *casts["loss"],
+            T("final norm + loss inputs", "activations", f"N*(4h + 4 + 3ch) = {n:,}*(4*{h} + 4 + 3*{r}*{h})",
+              n * (4 * h + 4 + 3 * r * h)),
             T("loss chunk (fp32 log-probs, their grad, logits grad)", "loss",
               f"12*C*V = 12*{s.chunk:,}*{v:,}", 12.0 * s.chunk * v), *fsdp_root]
     if chunked and head_params:
         loss.append(head_grad)
 
     # backward of layer j (n-1 first): inputs of layers 0..j, gradients of the layers above, layer j's tensors
-    mlp_tmp = 2 * c * n * i + 2 * c * n * h
+    mlp_tmp = 2 * c * n * i + 2 * r * n * h
     comm = _comm_buffers(s)
     attn_tmp = 4 * n * q + 2 * c * n * q - 4 * c * n * i  # the MLP's saved part (4cNI) is freed by then
     grad_layer = (lora_params_per_layer(sh, s.lora_rank, s.lora_targets) if s.lora else p_l) * 4 / S
 
     def backward_at(j: int) -> list[Term]:
         terms = [*state, saved(j + 1), rotary]
+        if dev.autocast:
+            layers = 1 if s.checkpointing else j + 1
+            terms.append(T(f"autocast bf16 weights saved ({layers} layers)", "activations",
+                           f"{layers}*P_l*c = {layers}*{p_l:,}*{c}", layers * p_l * c))
         if s.checkpointing:
             # In fp32 the first norm's saved input IS the checkpointed layer input: not counted twice.
-            alias = n * h * 4 if c == 4 else 0
+            alias = n * h * 4 if r == 4 else 0
             terms.append(T("recomputed layer", "activations", f"A*N - alias = {a_tok:,.0f}*{n:,} - {alias:,}",
                            a - alias))
         if attn_tmp + comm > mlp_tmp:
@@ -290,7 +336,7 @@ def estimate(s: Setup) -> MemoryEstimate:
                       T(f"{s.strategy} buffers", "comm_buffers", _comm_formula(s), comm)]
         else:
             terms.append(T("MLP backward temporaries", "activations",
-                           f"2cNI + 2cNh = 2*{c}*{n:,}*({i} + {h})", mlp_tmp))
+                           f"2cNI + 2rNh = 2*{n:,}*({c}*{i} + {r}*{h})", mlp_tmp))
         above = nl - 1 - j
         if above:
             terms.append(T(f"gradients ({above} layers)", "grads", f"{above}*P_l_t*4/S", above * grad_layer))
@@ -311,6 +357,26 @@ def estimate(s: Setup) -> MemoryEstimate:
             terms.append(T("allocator slack", "slack", f"{dev.slack:g} x short-lived bytes", dev.slack * short))
     peak = max(phases, key=lambda k: sum(t.bytes for t in phases[k]))
     return MemoryEstimate(setup=s, phases=phases, peak_phase=peak, notes=_notes(s))
+
+
+def _autocast_weights(s: Setup) -> dict[str, list[Term]]:
+    """bf16 weight copies autocast holds in the forward and the loss (none outside CPU autocast).
+
+    Casts of trained weights are cached until the forward (the loss included) leaves autocast; frozen weights
+    are cast per op, and the copies a linear saves for its backward live as long as its activations.
+    """
+    if not s.dev.autocast:
+        return {"forward": [], "loss": []}
+    sh, c = s.shape, s.c
+    if not s.lora:
+        t = Term("autocast bf16 weight cache", "activations", f"P_mm*c = {sh.params.matmul:,}*{c}",
+                 sh.params.matmul * c)
+        return {"forward": [t], "loss": [t]}
+    if s.checkpointing:
+        return {"forward": [], "loss": []}
+    t = Term(f"autocast bf16 weights saved ({sh.layers} layers)", "activations",
+             f"n*P_l*c = {sh.layers}*{sh.params.layer:,}*{c}", sh.layers * sh.params.layer * c)
+    return {"forward": [t], "loss": [t]}
 
 
 def _comm_formula(s: Setup) -> str:
