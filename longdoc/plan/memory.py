@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 
 from longdoc.parallel.api import Strategy, check_strategy
 from longdoc.parallel.layout import Layout, check_layout, num_chunks, round_up
+from longdoc.plan.autocast import autocast_layer_bytes_per_token
 from longdoc.plan.hardware import GIB, Device, Precision, check_precision, device
 from longdoc.plan.shapes import ModelShape, lora_params_per_layer
 
@@ -191,7 +192,7 @@ def layer_bytes_per_token(shape: ModelShape, c: int, lora: bool = False, lora_ra
                           lora_targets: tuple[str, ...] = LORA_TARGETS, autocast: bool = False) -> float:
     """A: bytes one decoder layer saves for backward per token (see the module docstring)."""
     if autocast:
-        return _autocast_layer_bytes_per_token(shape, c, lora, lora_rank, lora_targets)
+        return autocast_layer_bytes_per_token(shape, c, lora, lora_rank, lora_targets)
     h, q, kv, i, nh = shape.hidden, shape.q, shape.kv, shape.intermediate, shape.heads
     attn = c * (3 * q + 2 * kv) + 4 * nh
     if shape.fused_qkv:
@@ -210,36 +211,6 @@ def layer_bytes_per_token(shape: ModelShape, c: int, lora: bool = False, lora_ra
     norms = 2 * norm_base + (norm_out if {"q_proj", "k_proj", "v_proj"} & targets else 0)
     mlp = 3 * c * i + (c * h if {"gate_proj", "up_proj"} & targets else 0) + (c * i if "down_proj" in targets else 0)
     return norms + attn + qk + mlp + c * lora_rank * len(lora_targets)
-
-
-def _autocast_layer_bytes_per_token(shape: ModelShape, c: int, lora: bool, lora_rank: int,
-                                    lora_targets: tuple[str, ...]) -> float:
-    """A under CPU autocast (fp32 weights, c-byte matmul outputs), counted with saved-tensor hooks in the tests.
-
-    The residual stream is fp32, so both norms run and keep fp32 tensors; their fp32 output is cast to bf16
-    by every linear that reads it, separately (autocast caches casts of weights only), and a linear whose
-    weight is trained keeps its own copy. Everything after the projections is bf16 as on a GPU.
-    """
-    h, q, kv, i, nh = shape.hidden, shape.q, shape.kv, shape.intermediate, shape.heads
-    attn = c * (3 * q + 2 * kv) + 4 * nh
-    if shape.fused_qkv:
-        attn += c * (q + kv)
-    qk = (4 * (q + kv) + 4 * (nh + shape.kv_heads) + c * (q + kv)) if shape.qk_norm else 0
-    # RMSNorm: fp32 input, rsqrt, and (weight trained) the fp32 normed x; LayerNorm: input, mean, rstd.
-    norm_base, normed = (4 * h + 8, 0) if shape.layernorm else (4 * h + 4, 4 * h)
-    # Phi-3 fuses gate/up as it fuses q/k/v: one reader of each norm's output.
-    attn_readers, mlp_readers = ("qkv_proj",) if shape.fused_qkv else ("q_proj", "k_proj", "v_proj"), \
-        ("gate_up_proj",) if shape.fused_qkv else ("gate_proj", "up_proj")
-    if not lora:
-        casts = c * h * (len(attn_readers) + len(mlp_readers))
-        return 2 * (norm_base + normed) + casts + attn + qk + 4 * c * i
-    # Frozen base: the norms keep no normed copy, frozen linears no input; each adapter keeps its bf16 input
-    # and its rank-r intermediate; the MLP keeps gate, up and act for the gradient to earlier layers.
-    targets = set(lora_targets)
-    fused = {"q_proj", "k_proj", "v_proj"} if shape.fused_qkv else set()
-    readers = sum(1 for t in (*attn_readers, *mlp_readers) if t in targets) + (1 if fused & targets else 0)
-    mlp = 3 * c * i + (c * i if "down_proj" in targets else 0)
-    return 2 * norm_base + c * h * readers + attn + qk + mlp + c * lora_rank * len(lora_targets)
 
 
 def _comm_buffers(s: Setup) -> float:

@@ -17,8 +17,16 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from longdoc.parallel.api import STRATEGIES, Strategy, check_strategy
-from longdoc.plan.hardware import (GIB, INTERCONNECTS, PRECISIONS, Assumptions, Precision, cpu_precision, device,
-                                   machine_memory_gib)
+from longdoc.plan.hardware import (
+    GIB,
+    INTERCONNECTS,
+    PRECISIONS,
+    Assumptions,
+    Precision,
+    cpu_precision,
+    device,
+    machine_memory_gib,
+)
 from longdoc.plan.memory import MemoryEstimate, Setup, estimate
 from longdoc.plan.shapes import ModelShape, model_shape
 from longdoc.plan.timing import StepTime, estimate_time
@@ -133,7 +141,8 @@ class Plan:
             "model": {"name": sh.name, "params": sh.params.total, "layers": sh.layers, "hidden": sh.hidden,
                       "intermediate": sh.intermediate, "heads": sh.heads, "kv_heads": sh.kv_heads,
                       "head_dim": sh.head_dim, "vocab": sh.vocab, "tied": sh.tied},
-            "device": dataclasses.asdict(self.request.dev), "precision": self.request.precision, "capacity_gib": self.request.capacity_gib,
+            "device": dataclasses.asdict(self.request.dev), "precision": self.request.precision,
+            "capacity_gib": self.request.capacity_gib,
             "assumptions": dataclasses.asdict(Assumptions()),
             "fits": self.best is not None,
             "recommended": self.best.to_dict() if self.best else None,
