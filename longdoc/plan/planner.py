@@ -234,7 +234,7 @@ def _suggestions(req: PlanRequest, result: Plan) -> list[str]:
             break
     for bigger in ("h200",):
         if req.gpu != bigger and device(bigger).memory_gib > req.capacity_gib and req.memory_gib is None:
-            best = _fits_with(req, shape, gpu=bigger)
+            best = _fits_with(req, shape, gpu=bigger, precision=None)  # a GPU computes in bf16
             if best:
                 out.append(f"fits on {req.gpus} x {device(bigger).name}: {best.describe()}, "
                            f"{best.memory.total_gib:.1f} GiB per GPU")

@@ -108,6 +108,13 @@ def test_plan_request_on_cpu_assumes_this_machines_precision(monkeypatch, here):
     assert PlanRequest(model="Llama-3.1-8B", seq_len=8192, gpus=8).precision == "bf16"  # GPUs: bf16 everywhere
 
 
+def test_a_cpu_plan_that_does_not_fit_still_suggests_a_gpu():
+    for precision in ("fp32", "bf16"):  # the H200 plan is a bf16 one whatever the CPU's precision was
+        p = plan(PlanRequest(model="SmolLM2-135M", seq_len=1 << 20, gpus=1, gpu="cpu", precision=precision,
+                             checkpointing=True))
+        assert p.best is None and any("H200" in s for s in p.suggestions), p.suggestions
+
+
 def test_plan_request_precision_errors_name_the_fix():
     with pytest.raises(ValueError, match="fp32, bf16"):
         PlanRequest(model="SmolLM2-135M", seq_len=8192, gpus=2, gpu="cpu", precision="fp16")
