@@ -3,11 +3,13 @@
 Notation (every term below is in bytes; README "Planning" works an example by hand):
   L sequence length, padded to the layout's multiple (2*cp zigzag, cp contiguous); B micro-batch;
   N = B*L/cp tokens per rank; h hidden, I MLP width, q = heads*head_dim, kv = kv_heads*head_dim,
-  nh heads, V vocabulary, n layers; c bytes per activation (2 bf16 on GPU, 4 fp32 on CPU);
+  nh heads, V vocabulary, n layers; c bytes per activation (2 bf16 on GPU and under CPU autocast, 4 fp32 on
+  CPU); r bytes of the residual stream, norms and cos/sin (= c, except 4 under CPU autocast); w bytes of a
+  frozen weight (2 on GPU, 4 on CPU: autocast keeps the weights fp32);
   P parameters, P_t trainable ones, P_l one layer, P_root = embedding + lm_head + final norm;
   S ranks sharing parameters (dp*cp under FSDP2, 1 otherwise); C = loss chunk tokens (N: no chunking).
 
-State (present all step):      weights P*4/S (LoRA: frozen base P*c, adapters *4); AdamW 2*P_t*4/S
+State (present all step):      weights P*4/S (LoRA: frozen base P*w, adapters *4); AdamW 2*P_t*4/S
 Gradients (backward on):       P_t*4/S; + DDP bucket copy P_t*4 when DDP (world > 1, no FSDP), all step
                                (resident from the 3rd step: DDP rebuilds its buckets in the 2nd)
 Saved activations, per token and layer, of an HF Llama-style layer (counted with saved-tensor hooks in
@@ -31,7 +33,7 @@ FSDP2 buffers: forward 2*P_l*c (current + prefetched layer), backward P_l*(3c + 
 params, the unsharded gradient and its fp32 reduce copy); the root unit (embedding, lm_head, norm) stays
 unsharded from forward to the end of backward: P_root*c, + its lm_head gradient P_head*c.
 CPU bf16 autocast (weights fp32, c = 2 for matmul outputs): the residual stream, the norms and RoPE's cos/sin
-stay fp32 (4 where the text above says c), a norm's output is not kept, and each trainable linear reading it
+stay fp32 (r = 4 where the text above says c), a norm's output is not kept, and each trainable linear reading it
 keeps its own bf16 copy c*h (3 for q/k/v, 2 for gate/up; fused projections one); autocast's bf16 weight
 copies: P_mm*c cached through forward and loss (full fine-tuning), saved per layer P_l*c for the backward.
 Optimizer step: + AdamW temporaries: foreach on GPU P_t*4/S; per-tensor on CPU 2*(largest tensor)*4.
@@ -231,6 +233,7 @@ def estimate(s: Setup) -> MemoryEstimate:
     chunked = s.loss_chunk is not None
     # r: bytes of the residual stream, norms and cos/sin: fp32 under CPU autocast (fp32 embeddings, fp32 adds)
     r, wb = (4 if dev.autocast else c), dev.weight_bytes
+    rs = "r" if dev.autocast else "c"  # the symbol the formulas print
     T = Term
 
     if s.lora:
@@ -245,12 +248,12 @@ def estimate(s: Setup) -> MemoryEstimate:
 
     a_tok = layer_bytes_per_token(sh, c, s.lora, s.lora_rank, s.lora_targets, autocast=dev.autocast)
     a = a_tok * n
-    rotary = T("rotary cos/sin", "activations", f"2*N*rotary_dim*c = 2*{n:,}*{sh.rotary_dim}*{r}",
+    rotary = T("rotary cos/sin", "activations", f"2*N*rotary_dim*{rs} = 2*{n:,}*{sh.rotary_dim}*{r}",
                2 * n * sh.rotary_dim * r)
 
     def saved(layers: int) -> Term:
         if s.checkpointing:
-            return T(f"checkpoints ({layers} layers)", "activations", f"{layers}*N*h*c = {layers}*{n:,}*{h}*{r}",
+            return T(f"checkpoints ({layers} layers)", "activations", f"{layers}*N*h*{rs} = {layers}*{n:,}*{h}*{r}",
                      layers * n * h * r)
         return T(f"saved activations ({layers} layers)", "activations", f"{layers}*A*N = {layers}*{a_tok:,.0f}*{n:,}",
                  layers * a)
@@ -277,7 +280,7 @@ def estimate(s: Setup) -> MemoryEstimate:
 
     # loss: the CE backward of the last chunk; earlier chunks' lm_head gradient exists already
     loss = [*state, saved(nl), rotary, *casts["loss"],
-            T("final norm + loss inputs", "activations", f"N*(4h + 4 + 3ch) = {n:,}*(4*{h} + 4 + 3*{r}*{h})",
+            T("final norm + loss inputs", "activations", f"N*(4h + 4 + 3{rs}h) = {n:,}*(4*{h} + 4 + 3*{r}*{h})",
               n * (4 * h + 4 + 3 * r * h)),
             T("loss chunk (fp32 log-probs, their grad, logits grad)", "loss",
               f"12*C*V = 12*{s.chunk:,}*{v:,}", 12.0 * s.chunk * v), *fsdp_root]
@@ -307,7 +310,7 @@ def estimate(s: Setup) -> MemoryEstimate:
                       T(f"{s.strategy} buffers", "comm_buffers", _comm_formula(s), comm)]
         else:
             terms.append(T("MLP backward temporaries", "activations",
-                           f"2cNI + 2rNh = 2*{n:,}*({c}*{i} + {r}*{h})", mlp_tmp))
+                           f"2cNI + 2{rs}Nh = 2*{n:,}*({c}*{i} + {r}*{h})", mlp_tmp))
         above = nl - 1 - j
         if above:
             terms.append(T(f"gradients ({above} layers)", "grads", f"{above}*P_l_t*4/S", above * grad_layer))

@@ -19,13 +19,13 @@ from longdoc.plan.memory import Setup, estimate, layer_bytes_per_token
 from longdoc.plan.planner import PlanRequest, plan
 from longdoc.plan.shapes import model_shape, shape_from_config
 from longdoc.plan.timing import estimate_time
-from tests.unit.test_plan import SMALL, _saved_bytes_per_token
+from tests.saved_tensors import SMALL, saved_bytes_per_token
 
 
 def _autocast_saved(model, n: int) -> float:
     """Total bytes one layer saves for backward under CPU bf16 autocast, for n tokens."""
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        return _saved_bytes_per_token(model, n=n) * n
+        return saved_bytes_per_token(model, n=n) * n
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "stablelm", "gemma"])
