@@ -80,7 +80,9 @@ def test_bf16_cpu_setup_is_planned_as_a_cpu_run():
     terms32, terms16 = ({t.label: t.bytes for t in m.phases["loss"]} for m in (m32, m16))
     assert terms16["weights"] == terms32["weights"] == shape.params.total * 4  # autocast keeps fp32 weights
     assert terms16["saved activations (30 layers)"] < 0.75 * terms32["saved activations (30 layers)"]
-    assert terms16["autocast bf16 weight cache"] == shape.params.matmul * 2
+    forward16 = {t.label: t.bytes for t in m16.phases["forward"]}
+    assert forward16["autocast bf16 weight cache"] == shape.params.matmul * 2
+    assert "autocast bf16 weight cache" not in terms16  # left with autocast, before the loss backward
     lora = {t.label: t.bytes for t in estimate(dataclasses.replace(bf16, lora=True)).terms}
     assert lora["weights"] == shape.params.total * 4 + dataclasses.replace(bf16, lora=True).trainable * 4
     # compute-bound at cp=1: the measured bf16 speed-up, nothing else
@@ -126,7 +128,7 @@ def test_cli_names_the_precision_it_assumed(capsys):
     from longdoc.cli import main
 
     args = ["plan", "--model", "SmolLM2-135M", "--seq-len", "16384", "--gpus", "2", "--gpu", "cpu",
-            "--memory-gib", "16", "--checkpointing", "--cp", "2"]
+            "--memory-gib", "64", "--no-checkpointing", "--cp", "2"]
     peaks = {}
     for precision in ("fp32", "bf16"):
         assert main([*args, "--precision", precision]) == 0
@@ -136,7 +138,7 @@ def test_cli_names_the_precision_it_assumed(capsys):
         out = json.loads(capsys.readouterr().out)
         assert out["precision"] == out["request"]["precision"] == precision
         peaks[precision] = out["recommended"]["peak_gib"]
-    assert peaks["bf16"] != peaks["fp32"]
+    assert peaks["bf16"] < 0.8 * peaks["fp32"]  # without checkpointing the bf16 activations show
     assert main(args) == 0
     assert f"precision: {cpu_precision()}" in capsys.readouterr().out
     assert main([*args[:-2], "--gpu", "h100", "--precision", "fp32"]) == 2
