@@ -5,7 +5,7 @@ Peak numbers are the vendors' dense bf16 figures; memory is what `nvidia-smi` re
 direction: NVLink 4 (H100/H200) 450 GB/s, NVLink 3 (A100) 300 GB/s; InfiniBand one NIC per GPU,
 NDR 400 Gb/s = 50 GB/s (H100/H200), HDR 200 Gb/s = 25 GB/s (A100). "cpu" describes one local
 process of this project's CPU runs (1 thread, gloo over loopback), for planning CPU runs, in one of two
-precisions (`cpu_device`): fp32, or bf16 autocast over fp32 weights (what `train.mixed_precision: auto`
+precisions (`device("cpu", precision)`): fp32, or bf16 autocast over fp32 weights (what `train.mixed_precision: auto`
 picks on CPUs with native bf16, `longdoc.train.modeling.resolve_mixed_precision`).
 """
 
