@@ -83,6 +83,7 @@ def test_bf16_cpu_setup_is_planned_as_a_cpu_run():
     forward16 = {t.label: t.bytes for t in m16.phases["forward"]}
     assert forward16["autocast bf16 weight cache"] == shape.params.matmul * 2
     assert "autocast bf16 weight cache" not in terms16  # left with autocast, before the loss backward
+    assert terms16["autocast bf16 lm_head copy"] == shape.params.embed * 2  # tied: the embedding is the head
     lora = {t.label: t.bytes for t in estimate(dataclasses.replace(bf16, lora=True)).terms}
     assert lora["weights"] == shape.params.total * 4 + dataclasses.replace(bf16, lora=True).trainable * 4
     # compute-bound at cp=1: the measured bf16 speed-up, nothing else
