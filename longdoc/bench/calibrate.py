@@ -73,7 +73,8 @@ class Calibration:
         return abs(self.error) <= TOLERANCE
 
     def to_dict(self) -> dict:
-        return {"run": self.run.label(), "predicted_gib": self.predicted_gib, "measured_gib": self.measured_gib,
+        return {"run": self.run.label(), "precision": self.run.precision, "predicted_gib": self.predicted_gib,
+                "measured_gib": self.measured_gib,
                 "error": self.error, "within_tolerance": self.ok, "peak_phase": self.peak_phase,
                 "rank_peaks_gib": self.result.rank_peaks_gib, "step_peaks_gib": self.result.step_peaks_gib,
                 "step_s": self.result.step_s}
@@ -96,9 +97,9 @@ def calibrate(runs=DEFAULT_RUNS, log=print) -> list[Calibration]:
 
 
 def to_markdown(rows: list[Calibration]) -> str:
-    lines = ["| run | predicted GiB | measured peak RSS GiB | error | planner's peak phase |",
-             "|---|---:|---:|---:|---|"]
+    lines = ["| run | precision | predicted GiB | measured peak RSS GiB | error | planner's peak phase |",
+             "|---|---|---:|---:|---:|---|"]
     for c in rows:
-        lines.append(f"| {c.run.label()} | {c.predicted_gib:.3f} | {c.measured_gib:.3f} | {c.error:+.1%} | "
-                     f"{c.peak_phase} |")
+        lines.append(f"| {c.run.label()} | {c.run.precision} | {c.predicted_gib:.3f} | {c.measured_gib:.3f} | "
+                     f"{c.error:+.1%} | {c.peak_phase} |")
     return "\n".join(lines)

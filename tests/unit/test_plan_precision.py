@@ -156,3 +156,17 @@ def test_bench_runs_pin_the_precision_the_planner_predicts():
     with pytest.raises(ValueError, match="fp32, bf16"):
         TrainRun(precision="fp16")
     assert {r.precision for r in calibrate.DEFAULT_RUNS} == {cpu_precision(), "fp32"}
+
+
+def test_calibration_table_names_each_runs_precision():
+    from longdoc.bench.runs import RunResult
+
+    rows = []
+    for precision in ("bf16", "fp32"):
+        run = TrainRun(precision=precision)
+        rows.append(calibrate.compare(run, RunResult(run=run, peak_gib=1.3, rank_peaks_gib=[1.3], step_peaks_gib=[1.3],
+                                                     step_s=[1.0], tokens_per_s=1.0)))
+    md = calibrate.to_markdown(rows)
+    assert "| bf16 |" in md and "| fp32 |" in md
+    assert rows[0].predicted_gib != rows[1].predicted_gib  # each predicted in its own precision
+    assert [r.to_dict()["precision"] for r in rows] == ["bf16", "fp32"]
