@@ -2,8 +2,8 @@
 
     rows = calibrate([TrainRun(model="tiny", cp=2, seq_len=16384), ...])
 
-The prediction is `longdoc.plan.memory.estimate` in CPU mode (fp32, no FSDP, DDP's gradient buckets, the "cpu" device's
-runtime constant), made from the model's config alone. The measurement is the
+The prediction is `longdoc.plan.memory.estimate` in CPU mode (the run's precision, fp32 or bf16 autocast; no FSDP,
+DDP's gradient buckets, the "cpu" device's runtime constant), made from the model's config alone. The measurement is the
 largest lifetime peak RSS of any rank (`runs.run_steps`). Nothing measured flows into the prediction.
 """
 
@@ -19,7 +19,8 @@ from longdoc.plan.shapes import ModelShape, model_shape, shape_from_config
 TOLERANCE = 0.15
 
 # The acceptance set: tiny and 135M models, cp 1 and 2, 4k to 32k tokens, with and without checkpointing,
-# full fine-tuning and LoRA, peaks in the loss and in the backward.
+# full fine-tuning and LoRA, peaks in the loss and in the backward, in the precision `longdoc plan --gpu cpu`
+# assumes here (TrainRun.precision) and one pinned to fp32.
 DEFAULT_RUNS = (
     TrainRun(model="tiny", cp=1, seq_len=4096),
     TrainRun(model="tiny", cp=2, seq_len=4096),
@@ -27,7 +28,9 @@ DEFAULT_RUNS = (
     TrainRun(model="tiny", cp=2, seq_len=32768, checkpointing=False),
     TrainRun(model="tiny", cp=2, seq_len=32768),
     TrainRun(model="135m", cp=1, seq_len=4096),
-    TrainRun(model="135m", cp=2, seq_len=8192, loss_chunk=256),  # small loss chunks: the backward is the peak
+    # small loss chunks: the backward is the peak (in fp32; under bf16 autocast the layer's tensors halve and the
+    # loss stays the peak), and the fp32 terms stay calibrated now that the other runs default to bf16
+    TrainRun(model="135m", cp=2, seq_len=8192, loss_chunk=256, precision="fp32"),
     TrainRun(model="135m", cp=2, seq_len=8192, lora=True),
 )
 QUICK_RUNS = (TrainRun(model="tiny", cp=1, seq_len=2048), TrainRun(model="tiny", cp=2, seq_len=2048))
@@ -45,7 +48,7 @@ def run_shape(run: TrainRun) -> ModelShape:
 def setup_for(run: TrainRun) -> Setup:
     # The runs are launched ranks, so Accelerate wraps even cp=1 in DDP (gradient buckets P_t*4).
     return Setup(shape=run_shape(run), seq_len=run.seq_len, cp=run.cp, dp=1, checkpointing=run.checkpointing,
-                 loss_chunk=run.loss_chunk, lora=run.lora, device="cpu", ddp=True)
+                 loss_chunk=run.loss_chunk, lora=run.lora, device="cpu", precision=run.precision, ddp=True)
 
 
 def predict(run: TrainRun) -> MemoryEstimate:
@@ -70,7 +73,8 @@ class Calibration:
         return abs(self.error) <= TOLERANCE
 
     def to_dict(self) -> dict:
-        return {"run": self.run.label(), "predicted_gib": self.predicted_gib, "measured_gib": self.measured_gib,
+        return {"run": self.run.label(), "precision": self.run.precision, "predicted_gib": self.predicted_gib,
+                "measured_gib": self.measured_gib,
                 "error": self.error, "within_tolerance": self.ok, "peak_phase": self.peak_phase,
                 "rank_peaks_gib": self.result.rank_peaks_gib, "step_peaks_gib": self.result.step_peaks_gib,
                 "step_s": self.result.step_s}
@@ -93,9 +97,9 @@ def calibrate(runs=DEFAULT_RUNS, log=print) -> list[Calibration]:
 
 
 def to_markdown(rows: list[Calibration]) -> str:
-    lines = ["| run | predicted GiB | measured peak RSS GiB | error | planner's peak phase |",
-             "|---|---:|---:|---:|---|"]
+    lines = ["| run | precision | predicted GiB | measured peak RSS GiB | error | planner's peak phase |",
+             "|---|---|---:|---:|---:|---|"]
     for c in rows:
-        lines.append(f"| {c.run.label()} | {c.predicted_gib:.3f} | {c.measured_gib:.3f} | {c.error:+.1%} | "
-                     f"{c.peak_phase} |")
+        lines.append(f"| {c.run.label()} | {c.run.precision} | {c.predicted_gib:.3f} | {c.measured_gib:.3f} | "
+                     f"{c.error:+.1%} | {c.peak_phase} |")
     return "\n".join(lines)

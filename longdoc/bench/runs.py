@@ -20,6 +20,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 
 from longdoc.launch import set_launcher_env
+from longdoc.plan.hardware import PRECISIONS, Precision, cpu_precision
 from longdoc.spawn import run_local
 
 # The benchmarks' tiny model: small enough for 32k tokens on two cores, with the real tokenizer's
@@ -41,10 +42,15 @@ class TrainRun:
     threads: int | None = None  # per rank; None: total_threads // cp
     total_threads: int = 2
     release_memory: bool = True  # the trainer's train.release_freed_memory (False: glibc's defaults)
+    # pinned in the recipe (train.mixed_precision) so the planner predicts the run that happens; the default
+    # is what `longdoc plan --gpu cpu` assumes: what `auto` picks on this machine (bf16 on native-bf16 CPUs)
+    precision: Precision = field(default_factory=cpu_precision)
 
     def __post_init__(self):
         if self.model not in MODELS:
             raise ValueError(f"model must be one of {', '.join(MODELS)}, got {self.model!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
 
     @property
     def rank_threads(self) -> int:
@@ -54,6 +60,7 @@ class TrainRun:
         extra = ("" if self.checkpointing else " noAC") + (" LoRA" if self.lora else "")
         extra += "" if self.loss_chunk == 1024 else f" CE{self.loss_chunk}"
         extra += "" if self.release_memory else " glibc-default"
+        extra += "" if self.precision == cpu_precision() else f" {self.precision}"  # named when not the default
         return f"{self.model} cp{self.cp} {self.seq_len // 1024}k{extra}"
 
     def recipe(self, output_dir: str) -> dict:
@@ -70,7 +77,8 @@ class TrainRun:
             "data": {"path": "random", "seq_len": self.seq_len, "random_size": self.steps},
             "optim": {"warmup_steps": 0},
             "train": {"steps": self.steps, "batch_size": 1, "activation_checkpointing": self.checkpointing,
-                      "loss_chunk_tokens": self.loss_chunk, "release_freed_memory": self.release_memory},
+                      "loss_chunk_tokens": self.loss_chunk, "release_freed_memory": self.release_memory,
+                      "mixed_precision": "no" if self.precision == "fp32" else self.precision},
             "checkpoint": {"every": 0, "at_end": False, "export": False},
             "log": {"progress": False, "tensorboard": False, "plot": False},
         }

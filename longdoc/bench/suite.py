@@ -214,9 +214,10 @@ def to_markdown(result: dict) -> str:
                       f"{calibrate.TOLERANCE:.0%})", "",
                   "Peak RSS over each rank's whole life (largest rank), ranks returning freed memory to the OS "
                   "(`longdoc.train.metrics.return_freed_memory`).", "",
-                  "| run | planner GiB | measured peak RSS GiB | error |", "|---|---:|---:|---:|"]
-        lines += [f"| {r['run']} | {r['predicted_gib']:.3f} | {r['measured_gib']:.3f} | {r['error']:+.1%} |"
-                  for r in rows]
+                  "| run | precision | planner GiB | measured peak RSS GiB | error |", "|---|---|---:|---:|---:|"]
+        # the planner predicts each run in the precision its recipe pinned (TrainRun.precision)
+        lines += [f"| {r['run']} | {r.get('run_config', {}).get('precision', '?')} | {r['predicted_gib']:.3f} | "
+                  f"{r['measured_gib']:.3f} | {r['error']:+.1%} |" for r in rows]
         if raw:
             lines += ["", "With glibc's default allocator (train.release_freed_memory=false) the processes hold freed "
                           "memory: "

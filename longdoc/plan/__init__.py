@@ -7,6 +7,7 @@
 Modules, each depending only on those listed before it:
     hardware   devices, links and the efficiency assumptions (peak figures, not measurements)
     shapes     a model's shape and exact parameter counts from its config alone (meta device, no weights)
+    autocast   what a decoder layer saves under CPU bf16 autocast (fp32 weights)
     memory     per-rank peak memory of one training step, term by term, phase by phase
     timing     step time: FLOPs, bandwidth, what overlaps what
     planner    every open (cp, dp, strategy, checkpointing), the recommendation, what to change if none fits

@@ -2,6 +2,7 @@
 
     longdoc plan --model Llama-3.1-8B --seq-len 131072 --gpus 8 --gpu h100
     longdoc plan --model SmolLM2-135M-Instruct --seq-len 32768 --gpus 2 --gpu cpu --memory-gib 8
+    longdoc plan --model SmolLM2-135M-Instruct --seq-len 32768 --gpus 2 --gpu cpu --precision fp32
 
 Formulas: longdoc/plan/memory.py and timing.py (README "Planning" works an example by hand).
 """
@@ -29,6 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="tokens per training sequence (e.g. 131072, 128k, 1M)")
     p.add_argument("--gpus", type=int, default=8, help="devices in the job (= dp x cp)")
     p.add_argument("--gpu", default="h100", choices=list(DEVICES), help="device kind ('cpu': one local gloo process)")
+    p.add_argument("--precision", default=None, choices=("fp32", "bf16"),
+                   help="compute precision of a CPU plan (default: what training picks here, train.mixed_precision "
+                        "auto: bf16 autocast on CPUs with native bf16, else fp32); GPU plans are bf16")
     p.add_argument("--memory-gib", type=float, default=None,
                    help="memory per device, overriding the device's (cpu: this machine's RAM / --gpus)")
     p.add_argument("--interconnect", default="nvlink", choices=list(INTERCONNECTS),
@@ -57,7 +61,8 @@ def _main(args: argparse.Namespace) -> int:
         req = PlanRequest(model=args.model, seq_len=args.seq_len, gpus=args.gpus, gpu=args.gpu,
                           interconnect=args.interconnect, lora=args.lora, checkpointing=args.checkpointing,
                           cp=args.cp, dp=args.dp, strategy=args.strategy, chunked_loss=not args.no_chunked_loss,
-                          loss_chunk=args.loss_chunk, micro_batch=args.micro_batch, memory_gib=args.memory_gib)
+                          loss_chunk=args.loss_chunk, micro_batch=args.micro_batch, memory_gib=args.memory_gib,
+                          precision=args.precision)
         result = plan(req)
     except ValueError as e:
         print(f"longdoc plan: {e}", file=sys.stderr)

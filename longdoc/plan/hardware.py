@@ -4,12 +4,22 @@ Peak numbers are the vendors' dense bf16 figures; memory is what `nvidia-smi` re
 (H100 SXM 81,559 MiB, H200 SXM 143,771 MiB, A100 SXM 81,920 MiB). Bandwidths are per GPU and per
 direction: NVLink 4 (H100/H200) 450 GB/s, NVLink 3 (A100) 300 GB/s; InfiniBand one NIC per GPU,
 NDR 400 Gb/s = 50 GB/s (H100/H200), HDR 200 Gb/s = 25 GB/s (A100). "cpu" describes one local
-process of this project's CPU runs (1 thread, gloo over loopback, fp32), for planning CPU runs.
+process of this project's CPU runs (1 thread, gloo over loopback), for planning CPU runs, in one of two
+precisions (`device("cpu", precision)`): fp32, or bf16 autocast over fp32 weights (what `train.mixed_precision: auto`
+picks on CPUs with native bf16, `longdoc.train.modeling.resolve_mixed_precision`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Literal, get_args
+
+Precision = Literal["fp32", "bf16"]
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+# SmolLM2-135M + LoRA, 4k tokens, cp=2 on this project's AVX-512 BF16 EPYC: a bf16-autocast step takes 1.30x
+# less CPU time than an fp32 one (README "CPU precision"); the planner scales the CPU's achieved rate by it.
+CPU_BF16_SPEEDUP = 1.30
 
 GIB = 2**30
 
@@ -30,29 +40,38 @@ class Device:
     hbm_gbps: float  # memory bandwidth, GB/s (optimizer step)
     nvlink_gbps: float  # per direction, between GPUs of one node
     ib_gbps: float  # per GPU NIC, between nodes
-    compute_bytes: int  # bytes per activation element: bf16 on GPUs, fp32 on CPU
+    gpu: bool  # a GPU (FSDP2, foreach AdamW, NCCL) rather than a local CPU process
+    compute_bytes: int  # bytes per matmul activation element: bf16 on GPUs and under CPU autocast, fp32 on CPU
+    weight_bytes: int  # bytes per frozen weight element (LoRA base): bf16 on GPUs, fp32 on CPU (autocast casts
+    #                    per op and keeps the weights as loaded)
     runtime_gib: float  # memory the runtime takes besides tensors (CUDA context + NCCL; Python + torch on CPU)
     slack: float  # allocator overhead as a fraction of the short-lived (non-persistent) bytes
     achieved: bool = False  # peak_tflops is a measured rate (no efficiency factor applies)
+    autocast: bool = False  # compute_bytes is autocast's: the residual stream and norms stay fp32
 
     @property
     def is_gpu(self) -> bool:
-        return self.compute_bytes == 2
+        return self.gpu
+
+    @property
+    def precision(self) -> Precision:
+        return "bf16" if self.compute_bytes == 2 else "fp32"
 
 
 DEVICES: dict[str, Device] = {
     "h100": Device(name="H100 SXM 80GB", memory_gib=79.65, peak_tflops=989.0, hbm_gbps=3350.0, nvlink_gbps=450.0,
-                   ib_gbps=50.0, compute_bytes=2, runtime_gib=1.5, slack=0.10),
+                   ib_gbps=50.0, gpu=True, compute_bytes=2, weight_bytes=2, runtime_gib=1.5, slack=0.10),
     "h200": Device(name="H200 SXM 141GB", memory_gib=140.4, peak_tflops=989.0, hbm_gbps=4800.0, nvlink_gbps=450.0,
-                   ib_gbps=50.0, compute_bytes=2, runtime_gib=1.5, slack=0.10),
+                   ib_gbps=50.0, gpu=True, compute_bytes=2, weight_bytes=2, runtime_gib=1.5, slack=0.10),
     "a100": Device(name="A100 SXM 80GB", memory_gib=80.0, peak_tflops=312.0, hbm_gbps=2039.0, nvlink_gbps=300.0,
-                   ib_gbps=25.0, compute_bytes=2, runtime_gib=1.5, slack=0.10),
+                   ib_gbps=25.0, gpu=True, compute_bytes=2, weight_bytes=2, runtime_gib=1.5, slack=0.10),
     # One gloo rank with 1 thread. runtime_gib: RSS of a training process before its first step, less its
     # weights (Python, torch, transformers, accelerate, gloo), measured on this project's machines; assumes
     # freed memory goes back to the OS (longdoc.train.metrics.return_freed_memory).
     # peak_tflops: the ~70 GFLOP/s per core that the CPU flash-attention kernels reach (DESIGN.md).
     "cpu": Device(name="CPU process (fp32, gloo)", memory_gib=16.0, peak_tflops=0.07, hbm_gbps=10.0,
-                  nvlink_gbps=0.6, ib_gbps=0.6, compute_bytes=4, runtime_gib=0.45, slack=0.0, achieved=True),
+                  nvlink_gbps=0.6, ib_gbps=0.6, gpu=False, compute_bytes=4, weight_bytes=4, runtime_gib=0.45,
+                  slack=0.0, achieved=True),
 }
 INTERCONNECTS = ("nvlink", "ib")
 
@@ -67,10 +86,37 @@ class Assumptions:
     latency_s: float = 20e-6  # per message
 
 
-def device(name: str) -> Device:
+def check_precision(precision: str | None) -> None:
+    if precision is not None and precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)} (or None: the device's own), "
+                         f"got {precision!r}")
+
+
+def device(name: str, precision: Precision | None = None) -> Device:
+    """The device `name` computing in `precision` (None: its own, bf16 on GPUs and fp32 on "cpu")."""
     if name not in DEVICES:
         raise ValueError(f"unknown device {name!r}; choose one of {', '.join(DEVICES)}")
-    return DEVICES[name]
+    check_precision(precision)
+    dev = DEVICES[name]
+    if precision is None or precision == dev.precision:
+        return dev
+    if dev.is_gpu:
+        raise ValueError(f"{name}: GPU plans assume bf16 compute (FSDP2 mixed precision); precision {precision!r} "
+                         f"is planned for CPU ranks only (--gpu cpu)")
+    return cpu_bf16(dev)
+
+
+def cpu_bf16(dev: Device) -> Device:
+    """`dev` (a CPU process) under bf16 autocast: bf16 matmul activations, fp32 weights, the measured speed-up."""
+    return dataclasses.replace(dev, name=dev.name.replace("fp32", "bf16 autocast"), compute_bytes=2, autocast=True,
+                               peak_tflops=dev.peak_tflops * CPU_BF16_SPEEDUP)
+
+
+def cpu_precision(cpuinfo: str = "/proc/cpuinfo") -> Precision:
+    """The precision a CPU training run would use on this machine (`train.mixed_precision: auto`)."""
+    from longdoc.train.modeling import resolve_mixed_precision
+
+    return "bf16" if resolve_mixed_precision("auto", cuda=False, cpuinfo=cpuinfo) == "bf16" else "fp32"
 
 
 def link_gbps(dev: Device, interconnect: str, ranks: int) -> float:

@@ -17,7 +17,16 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from longdoc.parallel.api import STRATEGIES, Strategy, check_strategy
-from longdoc.plan.hardware import GIB, INTERCONNECTS, Assumptions, device, machine_memory_gib
+from longdoc.plan.hardware import (
+    GIB,
+    INTERCONNECTS,
+    PRECISIONS,
+    Assumptions,
+    Precision,
+    cpu_precision,
+    device,
+    machine_memory_gib,
+)
 from longdoc.plan.memory import MemoryEstimate, Setup, estimate
 from longdoc.plan.shapes import ModelShape, model_shape
 from longdoc.plan.timing import StepTime, estimate_time
@@ -41,9 +50,17 @@ class PlanRequest:
     loss_chunk: int = 1024
     micro_batch: int = 1
     memory_gib: float | None = None  # override the device's memory
+    # None: what training would use: bf16 on GPUs; on "cpu" what `train.mixed_precision: auto` picks on this
+    # machine (bf16 autocast on native-bf16 CPUs, else fp32). Resolved at construction, so the plan names it.
+    precision: Precision | None = None
 
     def __post_init__(self):
         device(self.gpu)
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.precision is None:
+            object.__setattr__(self, "precision", "bf16" if device(self.gpu).is_gpu else cpu_precision())
+        device(self.gpu, self.precision)  # a GPU in fp32: refused with the reason
         if self.interconnect not in INTERCONNECTS:
             raise ValueError(f"--interconnect must be one of {INTERCONNECTS}, got {self.interconnect!r}")
         if self.seq_len < 2 or self.gpus < 1:
@@ -64,6 +81,10 @@ class PlanRequest:
         if self.gpu == "cpu":  # local ranks share this machine's memory
             return machine_memory_gib() / self.gpus
         return device(self.gpu).memory_gib
+
+    @property
+    def dev(self):
+        return device(self.gpu, self.precision)
 
 
 @dataclass
@@ -120,7 +141,8 @@ class Plan:
             "model": {"name": sh.name, "params": sh.params.total, "layers": sh.layers, "hidden": sh.hidden,
                       "intermediate": sh.intermediate, "heads": sh.heads, "kv_heads": sh.kv_heads,
                       "head_dim": sh.head_dim, "vocab": sh.vocab, "tied": sh.tied},
-            "device": dataclasses.asdict(device(self.request.gpu)), "capacity_gib": self.request.capacity_gib,
+            "device": dataclasses.asdict(self.request.dev), "precision": self.request.precision,
+            "capacity_gib": self.request.capacity_gib,
             "assumptions": dataclasses.asdict(Assumptions()),
             "fits": self.best is not None,
             "recommended": self.best.to_dict() if self.best else None,
@@ -140,7 +162,7 @@ def _setups(req: PlanRequest, shape: ModelShape) -> list[Setup]:
     acs = [req.checkpointing] if req.checkpointing is not None else [False, True]
     return [Setup(shape=shape, seq_len=req.seq_len, cp=cp, dp=req.gpus // cp, micro_batch=req.micro_batch,
                   strategy=st, checkpointing=ac, loss_chunk=req.loss_chunk if req.chunked_loss else None,
-                  lora=req.lora, device=req.gpu)
+                  lora=req.lora, device=req.gpu, precision=req.precision)
             # at cp=1 both strategies are the same computation: list it once (as ring) unless asked
             for cp in cps for st in strategies for ac in acs if cp > 1 or st == "ring" or req.strategy]
 
@@ -212,7 +234,7 @@ def _suggestions(req: PlanRequest, result: Plan) -> list[str]:
             break
     for bigger in ("h200",):
         if req.gpu != bigger and device(bigger).memory_gib > req.capacity_gib and req.memory_gib is None:
-            best = _fits_with(req, shape, gpu=bigger)
+            best = _fits_with(req, shape, gpu=bigger, precision=None)  # a GPU computes in bf16
             if best:
                 out.append(f"fits on {req.gpus} x {device(bigger).name}: {best.describe()}, "
                            f"{best.memory.total_gib:.1f} GiB per GPU")

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from longdoc.plan.hardware import GIB, device
-from longdoc.plan.planner import Candidate, Plan
+from longdoc.plan.hardware import GIB
+from longdoc.plan.planner import Candidate, Plan, PlanRequest
 
 
 def _gib(x: float) -> str:
@@ -35,13 +35,22 @@ def render_candidate(c: Candidate) -> list[str]:
     return lines
 
 
+def _precision_line(r: PlanRequest) -> str:
+    if r.dev.is_gpu:
+        return "precision: bf16 compute (fp32 master weights and gradients)"
+    if r.precision == "bf16":
+        return ("precision: bf16 autocast over fp32 weights (train.mixed_precision: bf16; what 'auto' picks on a CPU "
+                "with native bf16; --precision fp32 plans an fp32 run)")
+    return "precision: fp32 (train.mixed_precision: no; --precision bf16 plans a bf16-autocast run)"
+
+
 def render_plan(p: Plan, show_all: bool = False) -> str:
     r, sh = p.request, p.shape
-    dev = device(r.gpu)
+    dev = r.dev
     head = (f"longdoc plan: {sh.name} ({sh.params.total / 1e9:.2f}B params, {sh.layers} layers, hidden {sh.hidden}, "
             f"{sh.heads}/{sh.kv_heads} heads x {sh.head_dim}, vocab {sh.vocab:,}) at {r.seq_len:,} tokens "
             f"x {r.micro_batch} on {r.gpus} x {dev.name}" + (f" ({r.interconnect})" if dev.is_gpu else ""))
-    lines = [head, ""]
+    lines = [head, _precision_line(r), ""]
     if p.best is not None:
         lines.append(f"RECOMMENDED: {p.best.describe()}")
         lines += render_candidate(p.best)

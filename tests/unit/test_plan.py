@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 import longdoc
 from longdoc import models
@@ -14,6 +13,7 @@ from longdoc.plan.memory import Setup, estimate, layer_bytes_per_token
 from longdoc.plan.planner import PlanRequest, longest_fitting, plan
 from longdoc.plan.shapes import llama_formula_params, model_shape, shape_from_config
 from longdoc.plan.timing import estimate_time
+from tests.saved_tensors import SMALL, saved_bytes_per_token
 
 PUBLISHED = {"Llama-3.1-8B": 8_030_261_248, "Llama-3.1-70B": 70_553_706_496, "Qwen2.5-7B": 7_615_616_512,
              "SmolLM2-135M": 134_515_008}
@@ -34,39 +34,12 @@ def test_names_resolve_offline_and_errors_say_what_exists():
         model_shape("./no/such/config.json")
 
 
-def _saved_bytes_per_token(model, n: int = 256, layer_idx: int = 1) -> float:
-    """Bytes of the tensors one decoder layer saves for backward (parameters excluded), per token."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    layer = base.get_decoder().layers[layer_idx]
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-    active = [False]
-
-    def pack(t):
-        if active[0] and t.untyped_storage().data_ptr() not in params:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    hooks = [layer.register_forward_pre_hook(lambda *a, **k: active.__setitem__(0, True), with_kwargs=True),
-             layer.register_forward_hook(lambda *a, **k: active.__setitem__(0, False), with_kwargs=True)]
-    ids = torch.randint(0, 200, (1, n), generator=torch.Generator().manual_seed(0))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids, position_ids=torch.arange(n)[None], use_cache=False)
-    for h in hooks:
-        h.remove()
-    return sum(seen.values()) / n
-
-
-SMALL = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-             num_hidden_layers=3, vocab_size=256)
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "gemma", "phi3", "stablelm"])
 def test_activation_formula_equals_what_the_patched_model_saves(arch):
     model = models.tiny_model(arch, **SMALL)
     shape = shape_from_config(model.config)
     longdoc.patch(model, longdoc.ContextParallel())
-    got = _saved_bytes_per_token(model)
+    got = saved_bytes_per_token(model)
     # the layer also holds RoPE's cos/sin, which every layer shares (one term of the plan)
     want = layer_bytes_per_token(shape, 4) + 2 * shape.rotary_dim * 4
     # Gemma's norms save (1 + weight) once per layer: a constant, not per token
@@ -81,7 +54,7 @@ def test_activation_formula_with_lora():
     model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
     longdoc.patch(model, longdoc.ContextParallel())
     want = layer_bytes_per_token(shape, 4, lora=True, lora_rank=8) + 2 * shape.rotary_dim * 4
-    assert _saved_bytes_per_token(model) == pytest.approx(want)
+    assert saved_bytes_per_token(model) == pytest.approx(want)
     assert want < layer_bytes_per_token(shape, 4)
 
 
