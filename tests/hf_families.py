@@ -75,3 +75,16 @@ def family_pair(arch: str, seed: int = 1, dtype: torch.dtype = torch.float32,
         ref = AutoModelForCausalLM.from_config(config, attn_implementation="eager", experts_implementation="eager")
     ref = ref.to(dtype)
     return ref, copy.deepcopy(ref)
+
+
+LOGITS_TOL, LOSS_TOL, GRAD_TOL = 1e-4, 1e-5, 1e-4  # fp32 tiny models: CP vs one process
+
+
+def check_model_errors(per_rank: list[list[tuple]]) -> None:
+    """Assert every (arch, case, logits err, loss err, grads err) of every rank is within tolerance."""
+    failures = []
+    for results in per_rank:
+        for arch, case, logit_err, loss_err, grad_err in results:
+            if not (logit_err <= LOGITS_TOL and loss_err <= LOSS_TOL and grad_err <= GRAD_TOL):
+                failures.append(f"{arch} {case}: logits {logit_err:.2e} loss {loss_err:.2e} grads {grad_err:.2e}")
+    assert not failures, "CP differs from the single-process reference:\n" + "\n".join(sorted(set(failures)))

@@ -8,10 +8,9 @@ import pytest
 import torch
 
 import longdoc
-from tests.cp_reference import cases, run_case
+from tests.cp_reference import cases, check_cases, run_case
 from tests.distributed import run_ranks
 
-TOL = {"fp32": 1e-5, "bf16": 1e-2}
 
 
 def _gather_round_trip(cp) -> dict[str, float]:
@@ -37,22 +36,9 @@ def _all_cases(rank: int, world_size: int) -> list[tuple[tuple, dict[str, float]
     return results
 
 
-def _check(results, world_size: int) -> None:
-    failures = []
-    for case, errs in results:
-        if case[4] == "exact":
-            assert errs == {"gather": 0.0, "gather_grad": 0.0}, (case, errs)
-            continue
-        tol = TOL[case[4]] * (world_size if case[4] == "bf16" else 1)
-        bad = {k: e for k, e in errs.items() if not e <= tol}  # `not <=` also catches NaN
-        if bad:
-            failures.append(f"{case}: {bad} > {tol}")
-    assert not failures, f"{len(failures)} cases over tolerance:\n" + "\n".join(failures)
-
-
 def test_world_size_1_in_process():
     torch.manual_seed(0)
-    _check(_all_cases(0, 1), 1)
+    check_cases(_all_cases(0, 1), 1)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -60,7 +46,7 @@ def test_matches_reference(world_size):
     per_rank = run_ranks(world_size, _all_cases, deadline=600)
     assert len(per_rank[0]) == len(cases()) + 2 == 98
     for results in per_rank:
-        _check(results, world_size)
+        check_cases(results, world_size)
 
 
 # ---- failure modes: disagreement and hangs turn into errors on every rank -------------------------

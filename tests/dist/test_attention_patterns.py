@@ -10,10 +10,9 @@ import torch
 
 import longdoc
 from longdoc.parallel.layout import Packed
-from tests.cp_reference import pattern_cases, run_pattern_case
+from tests.cp_reference import check_cases, pattern_cases, run_pattern_case
 from tests.distributed import run_ranks
 
-TOL = {"fp32": 1e-5, "bf16": 1e-2}
 
 
 def _cases(rank: int, world_size: int, full: bool) -> list[tuple[tuple, dict[str, float]]]:
@@ -36,21 +35,8 @@ def _cases(rank: int, world_size: int, full: bool) -> list[tuple[tuple, dict[str
     return results
 
 
-def _check(results, world_size: int) -> None:
-    failures = []
-    for case, errs in results:
-        if case[4] == "exact":
-            assert all(e == 0.0 for e in errs.values()), (case, errs)
-            continue
-        tol = TOL[case[4]] * (world_size if case[4] == "bf16" else 1)
-        bad = {k: e for k, e in errs.items() if not e <= tol}  # `not <=` also catches NaN
-        if bad:
-            failures.append(f"{case}: {bad} > {tol}")
-    assert not failures, f"{len(failures)} cases over tolerance:\n" + "\n".join(failures)
-
-
 def test_patterns_world_size_1_in_process():
-    _check(_cases(0, 1, False), 1)
+    check_cases(_cases(0, 1, False), 1)
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -58,14 +44,14 @@ def test_patterns_match_reference(world_size):
     per_rank = run_ranks(world_size, _cases, False, deadline=600)
     assert len(per_rank[0]) == len(pattern_cases()) + 1
     for results in per_rank:
-        _check(results, world_size)
+        check_cases(results, world_size)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_patterns_full_matrix(world_size):
     for results in run_ranks(world_size, _cases, True, deadline=1800):
-        _check(results, world_size)
+        check_cases(results, world_size)
 
 
 def _disagree(rank: int, world_size: int, kind: str) -> str:

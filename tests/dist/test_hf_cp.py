@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from longdoc.parallel.layout import round_up
 from tests.distributed import run_ranks
+from tests.hf_families import LOGITS_TOL, check_model_errors
 
-LOGITS_TOL, LOSS_TOL, GRAD_TOL = 1e-4, 1e-5, 1e-4
 
 # (name, batch, length, right-padded row lengths or None)
 CASES = [
@@ -192,15 +192,6 @@ def _rank_main(rank: int, world_size: int) -> dict:
     return out
 
 
-def _check(results: list[list[tuple]]) -> None:
-    bad = []
-    for rank_results in results:
-        for arch, case, logit_err, loss_err, grad_err in rank_results:
-            if not (logit_err <= LOGITS_TOL and loss_err <= LOSS_TOL and grad_err <= GRAD_TOL):
-                bad.append(f"{arch}/{case}: logits {logit_err:.2e} loss {loss_err:.2e} grads {grad_err:.2e}")
-    assert not bad, "CP differs from the single-process reference:\n" + "\n".join(bad)
-
-
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"cp{n}")
 def ranks(request):
     """One spawn per world size; the tests below read its per-rank results."""
@@ -214,14 +205,14 @@ def test_tiny_archs_match_single_process(ranks):
     archs = [r["archs"] for r in results]
     assert {r[0] for r in archs[0]} == set(TINY_ARCHS)
     assert len(archs[0]) == len(TINY_ARCHS) * len(CASES) + 4
-    _check(archs)
+    check_model_errors(archs)
 
 
 def test_two_patched_models_with_different_groups_do_not_interfere(ranks):
     world_size, results = ranks
     if world_size != 4:
         pytest.skip("runs in the 4-rank spawn")
-    _check([r["groups"] for r in results])
+    check_model_errors([r["groups"] for r in results])
 
 
 def test_prefill_logits_positions_and_span_logprobs(ranks):

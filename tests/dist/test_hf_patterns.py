@@ -15,9 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.distributed import run_ranks
-from tests.hf_families import CORE_FAMILIES, FAMILIES, family_pair
+from tests.hf_families import CORE_FAMILIES, FAMILIES, check_model_errors, family_pair
 
-LOGITS_TOL, LOSS_TOL, GRAD_TOL = 1e-4, 1e-5, 1e-4
 LENGTH, LEAD = 37, 5  # row 1 of the unpacked batch is left-padded by LEAD tokens
 DOCS = (13, 1, 9, 17)  # the packed row: a one-token document, and documents crossing every chunk
 
@@ -126,28 +125,19 @@ def _rank_families(rank: int, world_size: int, archs: tuple[str, ...]) -> list[t
     return results
 
 
-def _check(per_rank: list[list[tuple]]) -> None:
-    failures = []
-    for results in per_rank:
-        for arch, case, logit_err, loss_err, grad_err in results:
-            if not (logit_err <= LOGITS_TOL and loss_err <= LOSS_TOL and grad_err <= GRAD_TOL):
-                failures.append(f"{arch} {case}: logits {logit_err:.2e} loss {loss_err:.2e} grads {grad_err:.2e}")
-    assert not failures, "\n".join(sorted(set(failures)))
-
-
 def test_families_cp2():
     per_rank = run_ranks(2, _rank_families, tuple(FAMILIES), deadline=600, pg_timeout=60)
     assert len(per_rank[0]) == 2 * len(FAMILIES) + 5
-    _check(per_rank)
+    check_model_errors(per_rank)
 
 
 def test_families_cp3_core():
-    _check(run_ranks(3, _rank_families, CORE_FAMILIES, deadline=600, pg_timeout=60))
+    check_model_errors(run_ranks(3, _rank_families, CORE_FAMILIES, deadline=600, pg_timeout=60))
 
 
 @pytest.mark.slow
 def test_families_cp3_all():
-    _check(run_ranks(3, _rank_families, tuple(FAMILIES), deadline=900, pg_timeout=60))
+    check_model_errors(run_ranks(3, _rank_families, tuple(FAMILIES), deadline=900, pg_timeout=60))
 
 
 # ---- decoding: CP greedy == single-process greedy, token for token ----
