@@ -89,7 +89,7 @@ def _row_documents(pos: torch.Tensor, n_real: int, row: int) -> tuple[int, tuple
 
 def _documents_from_cu(cu: torch.Tensor, bsz: int, seq_len: int) -> list[tuple[int, ...]]:
     """Per-row document lengths from cu_seq_lens over the flattened batch (HF's varlen format)."""
-    c = [int(x) for x in cu.reshape(-1).tolist()]
+    c = [int(x) for x in torch.as_tensor(cu).reshape(-1).tolist()]
     rows = set(range(0, bsz * seq_len + 1, seq_len))
     if not c or c[0] != 0 or c[-1] != bsz * seq_len or any(b <= a for a, b in zip(c, c[1:])) \
             or not rows <= set(c):
@@ -121,8 +121,9 @@ def shard_batch(batch: Mapping[str, Any], cp, *, pad_token_id: int = 0, ignore_i
     Args:
         batch: input_ids (batch, seq) or inputs_embeds (batch, seq, hidden); optional labels (batch, seq)
             in the Hugging Face convention (unshifted, ignore_index where no loss), optional attention_mask
-            (batch, seq), right padding only. position_ids are computed; passing them is refused unless
-            they are the plain 0..seq-1 positions.
+            (batch, seq), right or left padding (left-padded rows are rolled, see the module docstring).
+            position_ids: none (computed), the plain 0..seq-1 positions (or a constant offset), or a packed
+            row's positions restarting at 0 per document (with optional cu_seq_lens_* agreeing with them).
         cp: the ContextParallel group and layout.
         pad_token_id: token used for the internal padding to cp.multiple. Its value never changes the
             result (padded tokens come after every real token and never count); it must be a valid id.
@@ -324,7 +325,10 @@ def source_index(batch: Mapping[str, Any], cp) -> torch.Tensor:
     -1 for the internal padding (left-padded rows are rolled, packed rows laid out per document)."""
     fields = _validated({k: v for k, v in batch.items() if k != "labels"}, -100, None)
     x = fields["inputs"]
-    fields = {**fields, "key": "input_ids", "inputs": torch.arange(x.shape[1], device=x.device).expand(x.shape[:2])}
+    index = torch.arange(x.shape[1], device=x.device).expand(x.shape[:2])
+    if fields["attention_mask"] is not None:  # padding (rolled to the end for left-padded rows) maps nowhere
+        index = torch.where(fields["attention_mask"].bool(), index, torch.full_like(index, -1))
+    fields = {**fields, "key": "input_ids", "inputs": index}
     return _shard(fields, cp, -1, -100, None)["input_ids"]
 
 

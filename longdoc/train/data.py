@@ -137,6 +137,7 @@ def load_sequences(cfg: DataConfig, tokenizer, vocab_size: int, seed: int, main_
 
     `rows_needed` (steps x batch size): for QA from raw documents, prepare as many passes over the
     documents as the run consumes, each pass with its own question order (up to `MAX_QA_EPOCHS`)."""
+    prepared = False  # rows prepared here from raw documents (_prepare applies max_sequences itself)
     if cfg.path == "random":
         seqs = random_sequences(cfg.random_size, cfg.seq_len, vocab_size, seed)
     else:
@@ -150,7 +151,8 @@ def load_sequences(cfg: DataConfig, tokenizer, vocab_size: int, seed: int, main_
         else:
             with main_first() if main_first is not None else contextlib.nullcontext():
                 seqs = Sequences(_prepare(cfg, tokenizer, seed, rows_needed), f"{path} ({cfg.task})")
-    if cfg.max_sequences is not None and cfg.max_sequences < len(seqs):
+                prepared = True
+    if cfg.max_sequences is not None and cfg.max_sequences < len(seqs) and not prepared:
         seqs = Sequences(seqs.ds.select(range(cfg.max_sequences)), seqs.source)
     keep = [i for i in range(len(seqs)) if bool((seqs.row(i)[1][1:] != IGNORE).any())]
     if not keep:
@@ -184,11 +186,33 @@ def _prepare(cfg: DataConfig, tokenizer, seed: int, rows_needed: int | None = No
 
     try:
         ds = run(1)
+        docs = None
+        if cfg.max_sequences is not None and cfg.max_sequences < len(ds):
+            # cap the first pass, then keep every pass of just those documents (not the first rows of
+            # the passes, which would be a few documents repeated)
+            ds = ds.select(range(cfg.max_sequences))
+            docs = {d for row in ds["doc_ids"] for d in row}
         if cfg.task == "qa" and rows_needed and rows_needed > len(ds):
             ds = run(min(MAX_QA_EPOCHS, -(-rows_needed // len(ds))))
+            if docs is not None:
+                ds = ds.filter(lambda ids: all(d in docs for d in ids), input_columns=["doc_ids"])
         return ds
     except (CorpusError, ValueError) as e:
         raise RecipeError(f"data: {e}") from e
+
+
+def document_keys(seqs: Sequences) -> list[frozenset] | None:
+    """The documents each row holds (rows prepared from documents record them), else None."""
+    raw = seqs.ds.with_format(None)
+    if "doc_ids" not in raw.column_names:
+        return None
+    return [frozenset(map(str, ids)) for ids in raw["doc_ids"]]
+
+
+def passes(seqs: Sequences) -> list[int] | None:
+    """The pass (epoch) over the documents each row belongs to, when prepared in several passes."""
+    raw = seqs.ds.with_format(None)
+    return list(raw["epoch"]) if "epoch" in raw.column_names else None
 
 
 class StepSchedule:

@@ -192,7 +192,7 @@ def train(recipe: Recipe, *, on_step: Callable[[StepInfo], None] | None = None) 
     vocab = model.get_input_embeddings().num_embeddings
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     seqs = load_sequences(recipe.data, tokenizer, vocab, recipe.seed, main_first=acc.main_process_first,
-                          rows_needed=recipe.train.steps * recipe.train.batch_size)
+                          rows_needed=recipe.train.steps * recipe.train.batch_size + recipe.eval.holdout)
     seqs, held_out = split_held_out(recipe, seqs, tokenizer, vocab, main_first=acc.main_process_first)
     stopper = EarlyStopping(recipe.eval.patience, recipe.eval.min_delta)
     schedule = StepSchedule(len(seqs), recipe.train.batch_size, recipe.train.micro_batch_size, world.dp_size,

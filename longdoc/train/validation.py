@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from longdoc.train.config import EvalConfig, LogConfig, Recipe, RecipeError
-from longdoc.train.data import Sequences, collate, load_sequences, loss_tokens
+from longdoc.train.data import Sequences, collate, document_keys, load_sequences, loss_tokens
+from longdoc.train.data import passes as data_passes
 
 OPTIONAL_TRACKERS = ("wandb", "mlflow", "trackio")
 
@@ -34,13 +35,26 @@ def split_held_out(recipe: Recipe, seqs: Sequences, tokenizer, vocab_size: int,
         cfg = dataclasses.replace(recipe.data, path=ev.path, shuffle=False, max_sequences=ev.max_sequences)
         return seqs, load_sequences(cfg, tokenizer, vocab_size, recipe.seed, main_first=main_first)
     n = len(seqs)
-    if ev.holdout >= n:
-        raise RecipeError(f"eval.holdout={ev.holdout} would leave no training rows ({n} rows in {seqs.source}); "
-                          f"hold out fewer or set eval.path to separate held-out data")
-    train = Sequences(seqs.ds.select(range(n - ev.holdout)), seqs.source)
+    docs, passes = document_keys(seqs), data_passes(seqs)
+    first = [i for i in range(n) if passes is None or passes[i] == 0]  # one pass over the documents
+    if ev.holdout >= len(first):
+        raise RecipeError(f"eval.holdout={ev.holdout} would leave no training rows ({len(first)} rows in "
+                          f"{seqs.source}); hold out fewer or set eval.path to separate held-out data")
+    held_rows = first[len(first) - ev.holdout:]
+    if docs is None:
+        train_rows = [i for i in range(n) if i not in set(held_rows)]
+    else:
+        # Hold out whole documents: another window or another pass of a held-out document (the same
+        # facts, the same questions in another order) must never be trained on.
+        held_docs = frozenset().union(*(docs[i] for i in held_rows))
+        train_rows = [i for i in range(n) if not docs[i] & held_docs]
+        if not train_rows:
+            raise RecipeError(f"eval.holdout={ev.holdout}: the held-out rows' documents are every document in "
+                              f"{seqs.source}; hold out fewer or set eval.path to separate held-out data")
+    train = Sequences(seqs.ds.select(train_rows), seqs.source)
     train.scan(vocab_size)  # its own fingerprint: resume checks compare the rows actually trained on
     keep = ev.holdout if ev.max_sequences is None else min(ev.holdout, ev.max_sequences)
-    held = Sequences(seqs.ds.select(range(n - ev.holdout, n - ev.holdout + keep)), f"{seqs.source} (held out)")
+    held = Sequences(seqs.ds.select(held_rows[:keep]), f"{seqs.source} (held out)")
     return train, held
 
 
@@ -66,8 +80,10 @@ def validation_loss(loss_model, world, seqs: Sequences, micro_batch_size: int, p
             idx = mine[r * micro_batch_size:(r + 1) * micro_batch_size]
             weight = 1.0 if idx else 0.0
             local = world.cp.shard_batch(collate(seqs, idx or [0], pad_id), pad_token_id=pad_id)
+            cu = local.get("cu_seq_lens_q")  # packed rows: the documents, as in training
             share, _ = loss_model(local["input_ids"].to(world.device), local["position_ids"].to(world.device),
-                                  local["shift_labels"].to(world.device), total)
+                                  local["shift_labels"].to(world.device), total,
+                                  cu_seq_lens=cu.to(world.device) if cu is not None else None)
             acc += share.detach().double().cpu() * weight
     finally:
         loss_model.train(was_training)

@@ -35,8 +35,9 @@ def _packed_dataset(path, with_positions: bool = True) -> str:
 
 def test_packed_rows_cp2_equals_cp1(tmp_path):
     data = {"path": _packed_dataset(tmp_path / "packed"), "seq_len": 96}
-    ref, _ = ranks(1, train_on_ranks, tiny_recipe(tmp_path / "cp1", data=data), [], deadline=300)[0]
-    cp2 = ranks(2, train_on_ranks, tiny_recipe(tmp_path / "cp2", data=data), ["cp_size=2"], deadline=300)
+    ev = {"holdout": 2, "every": 1}  # validation on packed rows runs under the same document masking
+    ref, _ = ranks(1, train_on_ranks, tiny_recipe(tmp_path / "cp1", data=data, eval=ev), [], deadline=300)[0]
+    cp2 = ranks(2, train_on_ranks, tiny_recipe(tmp_path / "cp2", data=data, eval=ev), ["cp_size=2"], deadline=300)
     w_ref = load_file(tmp_path / "cp1" / "final" / "model.safetensors")
     w_cp2 = load_file(tmp_path / "cp2" / "final" / "model.safetensors")
     assert max_rel_err(w_cp2, w_ref) <= 1e-5
@@ -47,5 +48,5 @@ def test_packed_rows_cp2_equals_cp1(tmp_path):
             assert abs(loss - rloss) <= 1e-5 * max(1.0, abs(rloss)), (step, loss, rloss)
     # the same rows read as one sequence each (documents attending to each other) give another loss
     flat = {"path": _packed_dataset(tmp_path / "flat", with_positions=False), "seq_len": 96}
-    joined, _ = ranks(1, train_on_ranks, tiny_recipe(tmp_path / "flat-run", data=flat), [], deadline=300)[0]
+    joined, _ = ranks(1, train_on_ranks, tiny_recipe(tmp_path / "flat-run", data=flat, eval=ev), [], deadline=300)[0]
     assert abs(joined[0][1] - ref[0][1]) > 1e-4

@@ -61,3 +61,48 @@ def test_trackers(tmp_path, monkeypatch):
     import os
 
     assert os.environ["WANDB_MODE"] == "offline"  # no network: runs are synced later with `wandb sync`
+
+
+def _rows(docs_epochs: list[tuple[str, int]]):
+    from datasets import Dataset
+
+    from longdoc.train.data import Sequences
+
+    rows = [{"input_ids": [1, 2, 3], "labels": [1, 2, 3], "doc_ids": [d], "epoch": e} for d, e in docs_epochs]
+    return Sequences(Dataset.from_list(rows), "test rows")
+
+
+def test_holdout_keeps_every_pass_and_window_of_a_held_out_document_out_of_training():
+    from longdoc.train.data import document_keys
+    from longdoc.train.validation import split_held_out
+
+    # three documents, two passes each (QA rows prepared for a longer run), passes written per document
+    seqs = _rows([("a", 0), ("a", 1), ("b", 0), ("b", 1), ("c", 0), ("c", 1)])
+    recipe = recipe_from_dict({"data": {"path": "random"}, "eval": {"holdout": 1, "every": 1}})
+    train, held = split_held_out(recipe, seqs, None, 256)
+    held_docs = set().union(*document_keys(held))
+    train_docs = set().union(*document_keys(train))
+    assert held_docs == {"c"} and len(held) == 1  # one pass of the last document
+    assert not held_docs & train_docs and len(train) == 4
+    with pytest.raises(RecipeError, match="eval.holdout=3 would leave no training rows"):
+        split_held_out(recipe_from_dict({"data": {"path": "random"}, "eval": {"holdout": 3, "every": 1}}),
+                       seqs, None, 256)
+
+
+def test_max_sequences_caps_documents_not_the_first_rows_of_the_passes(tmp_path):
+    """A quick run with data.max_sequences=N trains on the first N rows' documents in every pass, not on the
+    first N rows of the multi-pass data (a few documents repeated)."""
+    from longdoc.corpus.synth import synthesize, write_jsonl
+    from longdoc.models import load_tokenizer
+    from longdoc.train.config import DataConfig
+    from longdoc.train.data import document_keys, load_sequences, passes
+
+    docs = tmp_path / "docs.jsonl"
+    write_jsonl(synthesize("legal", 4, 1024, seed=3), docs)
+    tok = load_tokenizer("SmolLM2-135M-Instruct")
+    cfg = DataConfig(path=str(docs), task="qa", seq_len=1536, max_sequences=2)
+    seqs = load_sequences(cfg, tok, len(tok), seed=0, rows_needed=8)
+    keys, epochs = document_keys(seqs), passes(seqs)
+    assert max(epochs) >= 1  # several passes were prepared
+    assert len(set().union(*keys)) <= 2  # ... of at most the first 2 rows' documents
+    assert sum(e == 0 for e in epochs) == 2
