@@ -105,16 +105,24 @@ def _hi(i: int, causal: bool) -> float:
     return i if causal else float("inf")
 
 
+def _seeing_rows(qa: int, qb: int, ka: int, kb: int, q_off: int, pattern: Pattern) -> tuple[int, int, int] | None:
+    """The queries of [qa, qb) that see at least one key of [ka, kb), as (qa, qb, q_off), or None. lo and hi are
+    monotone, so they form a range, and no kernel ever gets a fully masked row (whose lse the CPU kernel
+    reports as 0)."""
+    top = max(qa, ka) if pattern.causal else qa
+    bottom = min(qb, kb + pattern.window - 1) if pattern.window is not None else qb
+    if top >= bottom:
+        return None
+    return top, bottom, q_off + top - qa
+
+
 def _emit(out: list[Block], qa: int, qb: int, ka: int, kb: int, q_off: int, k_off: int, pattern: Pattern) -> None:
     """Blocks for global queries [qa, qb) x keys [ka, kb) of one segment; q_off/k_off: local index of qa/ka."""
     w, causal = pattern.window, pattern.causal
-    # Keep only the rows that see at least one of these keys: lo and hi are monotone, so they form a
-    # range, and no kernel ever gets a fully masked row (whose lse the CPU kernel reports as 0).
-    top = max(qa, ka) if causal else qa
-    bottom = min(qb, kb + w - 1) if w is not None else qb
-    if top >= bottom:
+    seen = _seeing_rows(qa, qb, ka, kb, q_off, pattern)
+    if seen is None:
         return
-    q_off, qa, qb = q_off + top - qa, top, bottom
+    qa, qb, q_off = seen
     ks, ke = max(ka, _lo(qa, w)), min(kb, _hi(qb - 1, causal) + 1)  # keys some row sees
     if ks >= ke:
         return
@@ -141,11 +149,10 @@ def _edge(out: list[Block], qa: int, qb: int, ka: int, kb: int, q_off: int, k_of
     """One masked block for queries [qa, qb) x keys [ka, kb): a causal square, or a band whose two
     diagonals are the window's lower edge and the causal upper edge; rows that see none are dropped."""
     w, causal = pattern.window, pattern.causal
-    top = max(qa, ka) if causal else qa
-    bottom = min(qb, kb + w - 1) if w is not None else qb
-    if top >= bottom:
+    seen = _seeing_rows(qa, qb, ka, kb, q_off, pattern)
+    if seen is None:
         return
-    q_off, qa, qb = q_off + top - qa, top, bottom
+    qa, qb, q_off = seen
     rows, cols = slice(q_off, q_off + qb - qa), slice(k_off, k_off + kb - ka)
     if causal and (qa, qb) == (ka, kb) and (w is None or w >= qb - qa):
         out.append(Block(rows, cols, causal=True))
