@@ -10,6 +10,7 @@ in `checkpoint.evry` would otherwise cost a day of training without checkpoints)
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import types
@@ -20,6 +21,7 @@ from typing import Any, Literal
 
 import yaml
 
+from longdoc import cliargs
 from longdoc.parallel.api import STRATEGIES, Strategy
 from longdoc.parallel.layout import LAYOUTS, Layout
 
@@ -32,6 +34,8 @@ Decay = Literal["cosine", "linear", "constant"]
 MIXED = ("auto", "no", "bf16")
 ROPE_TYPES = ("linear", "yarn")
 TRACKERS = ("auto", "wandb", "mlflow", "trackio")  # besides TensorBoard (log.tensorboard) and metrics.jsonl
+# A token count: an int that also reads k/M suffixes, as the command lines do (`data.seq_len=32k` = 32768)
+Tokens = typing.NewType("Tokens", int)
 
 
 class RecipeError(ValueError):
@@ -50,7 +54,7 @@ class ModelConfig:
     # bf16 compute over fp32 weights is `train.mixed_precision`
     rope_type: str | None = None  # "linear" | "yarn": extend the context beyond the pretrained length
     rope_factor: float = 1.0
-    max_position_embeddings: int | None = None  # new context length; default original * rope_factor
+    max_position_embeddings: Tokens | None = None  # new context length; default original * rope_factor
     trust_remote_code: bool = False
     overrides: dict[str, Any] = field(default_factory=dict)  # config overrides for "tiny:<arch>" models
 
@@ -86,7 +90,7 @@ class LoraConfig:
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
     path: str = ""  # documents (jsonl/json/parquet/csv/text folder/hub id), `longdoc data prepare` rows, "random"
-    seq_len: int = 4096  # tokens per training sequence (window), before CP sharding
+    seq_len: Tokens = 4096  # tokens per training sequence (window), before CP sharding
     task: Task = "qa"  # for raw documents: "qa" (document + question -> answer, loss on answers) | "pretrain"
     text_field: str | None = None  # pretrain: the documents' text field; null picks text/document/content
     max_sequences: int | None = None  # use only the first N windows (quick runs)
@@ -137,7 +141,7 @@ class TrainConfig:
     micro_batch_size: int = 1  # sequences per forward pass per replica; accumulation makes up the rest
     mixed_precision: str = "auto"  # "auto" (bf16 on GPUs and bf16-native CPUs, else none) | "no" | "bf16"
     activation_checkpointing: bool = True
-    loss_chunk_tokens: int = 1024  # CE over this many tokens at a time: logits never exist in full
+    loss_chunk_tokens: Tokens = 1024  # CE over this many tokens at a time: logits never exist in full
     fsdp: bool = False  # shard parameters/gradients/optimizer with FSDP2 (GPU, NCCL)
     layout: Layout = "zigzag"
     strategy: Strategy = "ring"
@@ -286,6 +290,13 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value.lower() in ("true", "yes", "1")
         _check(isinstance(value, bool), key, f"must be true or false, got {value!r}")
         return value
+    if tp is Tokens:
+        if isinstance(value, str):
+            try:
+                value = cliargs.length(value.replace("_", ""))
+            except argparse.ArgumentTypeError:
+                _check(False, key, f"must be a token count such as 4096, 4k or 1M (k = 1024), got {value!r}")
+        tp = int
     if tp is int:
         if isinstance(value, str):
             try:

@@ -24,10 +24,19 @@ def test_defaults_and_dotted_overrides():
     assert r.flat()["train.steps"] == 7
 
 
+def test_token_counts_take_k_and_m_suffixes_like_the_command_lines():
+    r = recipe_from_dict({"data": {"path": "random", "seq_len": "8k"}},
+                         ["train.loss_chunk_tokens=2k", "model.max_position_embeddings=1M"])
+    assert (r.data.seq_len, r.train.loss_chunk_tokens, r.model.max_position_embeddings) == (8192, 2048, 1 << 20)
+    assert recipe_from_dict({"data": {"path": "random"}}, ["data.seq_len=32_768"]).data.seq_len == 32768
+
+
 @pytest.mark.parametrize("data, overrides, match", [
     ({"data": {"path": "random"}, "trian": {}}, [], r"unknown recipe key trian \(did you mean train\?\).*output_dir"),
     ({"data": {"path": "random"}}, ["checkpoint.evry=5"], r"checkpoint.evry.*did you mean checkpoint.every.*keep"),
     ({"data": {"path": "random"}}, ["train.steps=many"], r"train.steps: must be an integer, got 'many'"),
+    ({"data": {"path": "random"}}, ["train.steps=1k"], r"train.steps: must be an integer, got '1k'"),
+    ({"data": {"path": "random"}}, ["data.seq_len=32q"], r"data.seq_len: must be a token count such as 4096, 4k"),
     ({"data": {"path": "random"}}, ["train.layout=zz"], r"train.layout: must be one of \('zigzag', 'contiguous'\)"),
     ({"data": {"path": "random"}}, ["cp_size=0"], r"cp_size: must be >= 1"),
     ({"data": {"path": "random"}}, ["model.rope_type=dynamic"], r"model.rope_type.*'dynamic' NTK is refused"),
