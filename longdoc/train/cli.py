@@ -18,8 +18,8 @@ def add_parser(subparsers) -> None:
                     "Run under `accelerate launch` for several processes (see recipes/accelerate/*.yaml).",
     )
     p.add_argument("recipe", help="recipe YAML (recipes/*.yaml)")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. cp_size=2 resume=true data.seq_len=8k "
-                   "(token counts take k/M: 8k = 8192)")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="recipe overrides, e.g. cp_size=2 resume=true data.seq_len=8k (token counts: 8k = 8192)")
     p.add_argument("--print", dest="print_only", action="store_true", help="print the effective recipe and exit")
     p.set_defaults(func=_run)
 
