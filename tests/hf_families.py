@@ -38,8 +38,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "granite_swa": dict(_SLIDING),  # window + sinks
     "granitemoe_swa": dict(_SLIDING, **_MOE),
     "vaultgemma": dict(_SLIDING, attn_logit_softcapping=20.0),
-    "llama4_text": dict(attention_chunk_size=WINDOW, no_rope_layers=[1, 0], attn_temperature_tuning=False,
-                        intermediate_size_mlp=128, **_MOE),  # chunked local attention
+    "llama4_text": dict(attention_chunk_size=WINDOW, no_rope_layers=[1, 0], attn_temperature_tuning=True,
+                        floor_scale=4, attn_scale=0.5, intermediate_size_mlp=128, **_MOE),  # chunked local
+    # attention; temperature tuning of the NoPE layer's queries (floor_scale 4: the scale changes every 4 tokens)
     "afmoe": dict(_SLIDING, **_MOE),
     "cwm": dict(_SLIDING),
     "modernbert-decoder": dict(_SLIDING, global_attn_every_n_layers=2, local_attention=WINDOW),

@@ -13,13 +13,15 @@ TRAIN_LENGTHS = [37, 50, 23, 64, 41, 30, 55, 45, 33, 60, 28, 47, 39, 52, 26, 58]
 EVAL_LENGTHS = [31, 44, 27, 53, 36]
 
 
-def rows(lengths: list[int], seed: int) -> list[dict]:
+def rows(lengths: list[int], seed: int, answer_only: bool = False) -> list[dict]:
+    """answer_only: loss on the last sixth of each row only (under zigzag cp=2, CP rank 1 then has none)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for n in lengths:
         ids = torch.randint(2, VOCAB, (n,), generator=g).tolist()
         labels = list(ids)
-        labels[: n // 3] = [-100] * (n // 3)  # a prompt without loss, like QA rows
+        prompt = n - n // 6 if answer_only else n // 3
+        labels[:prompt] = [-100] * prompt  # a prompt without loss, like QA rows
         out.append({"input_ids": ids, "labels": labels})
     return out
 
@@ -77,7 +79,8 @@ def launcher_env(rank: int, world_size: int) -> None:
     # run_ranks has already joined the gloo group; Trainer's PartialState reads the launcher's variables.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500",
-                      OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+                      OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
+                      LONGDOC_DEBUG_COLLECTIVES="1")  # every collective CPTrainer issues is checked
 
 
 def run_trainer(case: dict, out: str, cp_size: int | None, dp: int = 1, resume: bool = False) -> dict:
@@ -99,7 +102,12 @@ def run_trainer(case: dict, out: str, cp_size: int | None, dp: int = 1, resume: 
                   average_tokens_across_devices=case.get("average_tokens", True),
                   save_strategy="steps" if case.get("save") else "no", save_steps=2,
                   disable_tqdm=True, dataloader_num_workers=0, remove_unused_columns=False)
-    model = tiny_model("llama", dtype=torch.float64, vocab_size=VOCAB)
+    # "vocab": the model's vocabulary (the rows' ids stay below VOCAB): 49,152 puts lm_head in a DDP bucket of its own
+    model = tiny_model("llama", dtype=torch.float64, vocab_size=case.get("vocab", VOCAB))
+    if case.get("model") == "mixtral":  # eager experts: the default grouped_mm has no float64
+        model = tiny_model("mixtral", dtype=torch.float64, vocab_size=VOCAB, output_router_logits=True,
+                           router_aux_loss_coef=0.3)
+        model.set_experts_implementation("eager")
     if case.get("lora"):
         from peft import LoraConfig, get_peft_model
 
@@ -107,13 +115,15 @@ def run_trainer(case: dict, out: str, cp_size: int | None, dp: int = 1, resume: 
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     if case.get("checkpointing"):
         common.update(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
-    extra = {} if cp_size is None else {"cp_size": cp_size}
+    # case["cp"]: more CPTrainer arguments (cp_strategy, cp_ulysses_size); the reference ignores them
+    extra = {} if cp_size is None else {"cp_size": cp_size, **case.get("cp", {})}
     if case["kind"] == "sft":
         from datasets import Dataset
         from trl import SFTConfig, SFTTrainer
 
         base = SFTTrainer if cp_size is None else type("CPSFTTrainer", (CPTrainerMixin, SFTTrainer), {})
-        args = SFTConfig(**common, max_length=None, completion_only_loss=True, bf16=False)  # TRL defaults to bf16
+        packing = dict(packing=True, max_length=128) if case.get("packing") else dict(max_length=None)
+        args = SFTConfig(**common, completion_only_loss=True, bf16=False, **packing)  # TRL defaults to bf16
         trainer = base(model=model, args=args, processing_class=word_tokenizer(),
                        train_dataset=Dataset.from_list(sft_rows(TRAIN_LENGTHS, 0)),
                        eval_dataset=Dataset.from_list(sft_rows(EVAL_LENGTHS, 1)), **extra)
@@ -130,10 +140,22 @@ def run_trainer(case: dict, out: str, cp_size: int | None, dp: int = 1, resume: 
             from transformers import DataCollatorWithFlattening
 
             collator = DataCollatorWithFlattening()
+        answer_only = case.get("answer_only", False)
         trainer = base(model=model, args=TrainingArguments(**common), data_collator=collator,
-                       train_dataset=rows(TRAIN_LENGTHS, 0), eval_dataset=rows(EVAL_LENGTHS, 1), **extra)
+                       train_dataset=rows(TRAIN_LENGTHS, 0, answer_only),
+                       eval_dataset=rows(EVAL_LENGTHS, 1, answer_only), **extra)
     trainer.train(resume_from_checkpoint=resume or None)
     logs = [(h["step"], h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+    # TRL's own per-step metrics (None for a plain Trainer) and Trainer's FLOP count
+    sft = [tuple(h.get(k) for k in SFT_METRICS) for h in trainer.state.log_history if "loss" in h]
+    flos = trainer.state.total_flos
     metrics = trainer.evaluate()
-    return {"logs": logs, "eval_loss": metrics["eval_loss"],
+    groups = getattr(trainer, "_cp_groups", None)  # how many collectives the debug guard checked per group
+    guard = {k: getattr(groups.guard(k) if k != "cp" else trainer.cp.guard, "seq", 0) for k in ("cp", "grads", "dp")} \
+        if groups is not None else None
+    return {"logs": logs, "eval_loss": metrics["eval_loss"], "sft": sft, "total_flos": flos, "guard": guard,
+            "eval_sft": [metrics.get(f"eval_{k}") for k in SFT_METRICS[:2]],
             "eval_metrics": [metrics.get(f"eval_{k}") for k in ("accuracy", "scored", "checksum")]}
+
+
+SFT_METRICS = ("entropy", "mean_token_accuracy", "num_tokens")

@@ -19,8 +19,10 @@ def ranks(world_size: int, fn, *args, **kwargs):
 
 
 def accelerate_env(rank: int, world_size: int) -> None:
-    """run_ranks has already joined the gloo group; Accelerate reads the launcher's variables."""
-    set_launcher_env(rank, world_size, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    """run_ranks has already joined the gloo group; Accelerate reads the launcher's variables. Every training
+    test runs with the collective guard on (longdoc.parallel.guard): a collective issued out of order fails
+    there by name instead of crashing in gloo or passing silently."""
+    set_launcher_env(rank, world_size, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", LONGDOC_DEBUG_COLLECTIVES="1")
 
 
 def tiny_recipe(out, **sections) -> dict:
@@ -97,3 +99,31 @@ def train_on_ranks(rank: int, world_size: int, recipe: dict, overrides: list[str
 def max_rel_err(a: dict, b: dict) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-30)) for k in b)
+
+
+def train_cases(rank: int, world_size: int, recipes: dict[str, dict], overrides: list[str]) -> dict[str, dict]:
+    """Train every recipe in turn in this process; per recipe the (step, loss, tokens, grad_norm) history and
+    how many collectives the debug guard checked on each group (0 on one process)."""
+    accelerate_env(rank, world_size)
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    from longdoc.train import recipe_from_dict
+    from longdoc.train.loop import train
+
+    # Accelerator.end_training destroys the process group; the next recipe needs it (run_ranks tears it down)
+    PartialState.destroy_process_group = lambda self, group=None: None
+    out = {}
+    for name, recipe in recipes.items():
+        AcceleratorState._reset_state()  # each recipe its own Accelerator (mixed precision may differ)
+        GradientState._reset_state()
+        seen = {}
+
+        def on_step(info, seen=seen):
+            w, groups = info.world, getattr(info.world, "groups", None)  # getattr: also runs on older code
+            guards = {"cp": getattr(w.cp, "guard", None), "grads": groups.guard("grads") if groups else None,
+                      "scalars": groups.guard("scalars") if groups else None}
+            seen.update({k: g.seq if g is not None else 0 for k, g in guards.items()})
+
+        result = train(recipe_from_dict(recipe, overrides), on_step=on_step)
+        out[name] = {"history": [(s.step, s.loss, s.tokens, s.grad_norm) for s in result.history], "guard": seen}
+    return out

@@ -8,7 +8,7 @@ Modules:
     calibrate       the planner's memory estimate (`longdoc.plan.memory`) against those runs' peaks
     train_sections  the train, memory and longest sections built on `runs` and `calibrate`
     plots           PNG plots of the sections
-    suite           every section in one run: bench.json, bench.md, plots, the README table
+    suite           every section in one run: bench.json, bench.md, plots; publish() copies them into docs/bench
     cli             the `longdoc bench` verb
 The benchmarks import the planner to put its prediction beside each measurement; the planner never
 imports the benchmarks.

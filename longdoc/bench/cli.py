@@ -1,9 +1,12 @@
 """`longdoc bench`: benchmarks measured side by side in one run (JSON, markdown, PNG plots).
 
     longdoc bench                                   # every section (make bench), results in runs/bench/
-    longdoc bench attention --seq-len 16384         # one length: CP efficiency E and zigzag gain Z
+    longdoc bench attention --seq-len 16384         # one length: CP efficiency E per strategy, zigzag gain Z
+    longdoc bench hybrid --seq-len 16384            # a Mamba2 + attention model: E, memory, state vs ring bytes
     longdoc bench memory longest --quick            # some sections at smoke-test sizes
-    longdoc bench --readme README.md                # also refresh the README's performance table
+    longdoc bench dsa --seq-len 16384               # DSA: one process vs CP, vs dense causal (--ranks CP size)
+    longdoc bench --publish docs/bench              # the full suite, then bench.json + plots into docs/bench, from
+                                                    # which the docs' performance page and README numbers are made
 
 `longdoc plan` (the estimator these benchmarks calibrate) is its own verb: longdoc/plan/cli.py.
 """
@@ -27,17 +30,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"which sections (default: all): {', '.join(SECTIONS)}")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run of every code path")
     p.add_argument("--seq-len", type=cliargs.length, default=None,
-                   help="attention at this one length only (prints E and Z); default: the sweep --lengths")
+                   help="attention at this one length only (prints E and Z; default: the sweep --lengths); "
+                        "the hybrid and dsa sections' length (default 16384)")
     p.add_argument("--lengths", default=None, help="attention sweep lengths, comma-separated (default 4096,8192,16384)")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=None, help="default: same as --heads")
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--ranks", type=int, default=2, help="CP ranks (1 thread each); the baseline gets as many threads")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--ulysses-size", type=int, default=None,
+                   help="attention: the usp row's Ulysses group size (default: ranks / 2 from 4 ranks on; no usp "
+                        "row at 2 ranks)")
     p.add_argument("--cap-gib", type=float, default=None, help="per-process memory cap of the 'longest' section")
+    p.add_argument("--index-topk", type=int, default=None, help="dsa: keys per query (default 2048; --quick 256)")
     p.add_argument("--out", default="runs/bench", help="folder for bench.json, bench.md and the plots")
-    p.add_argument("--readme", default=None, metavar="PATH",
-                   help="replace the text between <!-- bench:start --> and <!-- bench:end --> in this file")
+    p.add_argument("--publish", default=None, metavar="DIR",
+                   help="after a full run (every section, not --quick), copy bench.json and the plots into DIR "
+                        "(docs/bench in a checkout: `make docs` renders the performance page from it and "
+                        "`python docs/hooks/docgen.py readme` refreshes the README's headline numbers)")
     p.set_defaults(func=_main)
 
 
@@ -49,27 +59,35 @@ def _main(args: argparse.Namespace) -> int:
     if unknown:
         print(f"longdoc bench: unknown section(s) {unknown}; choose among {', '.join(SECTIONS)}")
         return 2
+    if args.publish and (args.sections or args.quick):
+        print("longdoc bench: --publish takes a full run (the published bench.json replaces the last one, whose "
+              "every section the docs render): drop the SECTION arguments and --quick, or run without --publish "
+              "(results in --out)")
+        return 2
     if sections == ("attention",) and args.seq_len:
         return _single_attention(args)
     cfg = suite.quick() if args.quick else suite.SuiteConfig()
     att = dataclasses.replace(cfg.attention, heads=args.heads, kv_heads=args.kv_heads or args.heads,
-                              head_dim=args.head_dim, ranks=args.ranks,
+                              head_dim=args.head_dim, ranks=args.ranks, ulysses_size=args.ulysses_size,
                               repeats=1 if args.quick else args.repeats)
     lengths = ([args.seq_len] if args.seq_len else [int(x) for x in args.lengths.split(",")] if args.lengths
                else list(cfg.attention_lengths))
     train = cfg.train if args.cap_gib is None else dataclasses.replace(cfg.train, cap_gib=args.cap_gib)
+    hybrid = dataclasses.replace(cfg.hybrid, seq_len=args.seq_len or cfg.hybrid.seq_len, ranks=args.ranks,
+                                 repeats=1 if args.quick else args.repeats)
+    dsa_cfg = dataclasses.replace(cfg.dsa, ranks=args.ranks, repeats=1 if args.quick else args.repeats,
+                                  **({"seq_len": args.seq_len} if args.seq_len else {}),
+                                  **({"index_topk": args.index_topk} if args.index_topk else {}))
     cfg = dataclasses.replace(cfg, sections=sections, out=args.out, attention=att, attention_lengths=tuple(lengths),
-                              train=train)
+                              train=train, hybrid=hybrid, dsa=dsa_cfg)
     result = suite.run(cfg)
     md = suite.to_markdown(result)
     print("\n" + md)
     print(f"\nsaved {args.out}/bench.json, bench.md and {len(result['plots'])} plot(s)")
-    if args.readme:
-        if not suite.update_readme(args.readme, md):
-            print(f"longdoc bench: {args.readme} has no {suite.README_START} ... {suite.README_END} markers; "
-                  f"add them where the table belongs")
-            return 2
-        print(f"updated the performance table in {args.readme}")
+    if args.publish:
+        files = suite.publish(result, args.publish)
+        print(f"published {len(files)} file(s) into {args.publish}: `make docs` renders them; "
+              f"`python docs/hooks/docgen.py readme` refreshes the README's headline numbers")
     return 0
 
 
@@ -77,7 +95,8 @@ def _single_attention(args: argparse.Namespace) -> int:
     from longdoc.bench import attention
 
     cfg = attention.AttentionBenchConfig(seq_len=args.seq_len, heads=args.heads, kv_heads=args.kv_heads or args.heads,
-                                         head_dim=args.head_dim, ranks=args.ranks, repeats=args.repeats)
+                                         head_dim=args.head_dim, ranks=args.ranks, repeats=args.repeats,
+                                         ulysses_size=args.ulysses_size)
     result = attention.run(cfg)
     md = attention.to_markdown(result)
     print(md)

@@ -48,6 +48,8 @@ class _Done:
 class _LocalRing:
     """A ring of `size` simulated ranks on one device: K/V "arrive" as copies of the right rank's shard."""
 
+    guard = None  # no process group, nothing to check
+
     def __init__(self, rank: int, size: int, kv_shards: list[torch.Tensor]):
         self.rank, self.size, self.kv, self.hops = rank, size, kv_shards, 0
 

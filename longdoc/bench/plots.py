@@ -30,7 +30,10 @@ def attention(result: dict, out: Path) -> Path:
     a.set(xscale="log", yscale="log", xlabel="tokens", ylabel="seconds (fwd+bwd)", title="causal attention time")
     a.legend(fontsize=8)
     for key, label in (("E", "E = SDPA / zigzag ring"), ("Z", "Z = contiguous / zigzag"),
-                       ("ring_vs_allgather", "all-gather / ring")):
+                       ("ring_vs_allgather", "all-gather / ring"), ("E_ulysses", "E ulysses = SDPA / ulysses"),
+                       ("E_usp", "E usp = SDPA / usp")):
+        if key not in result["runs"][0]["ratios"]:
+            continue
         b.plot(lengths, [r["ratios"][key] for r in result["runs"]], marker="o", label=label)
     b.axhline(1.0, color="gray", lw=0.8)
     b.set(xscale="log", xlabel="tokens", ylabel="ratio", title="CP efficiency and layout gain")

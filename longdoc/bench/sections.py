@@ -5,4 +5,4 @@ A module of its own (no imports) so that the command line lists them without imp
 
 from __future__ import annotations
 
-SECTIONS: tuple[str, ...] = ("attention", "train", "memory", "longest", "calibration", "gpu")
+SECTIONS: tuple[str, ...] = ("attention", "hybrid", "train", "memory", "longest", "calibration", "dsa", "gpu")

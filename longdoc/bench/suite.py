@@ -2,11 +2,13 @@
 
     longdoc bench                         # all sections (make bench); --quick for a smoke run
     longdoc bench attention memory        # some sections
-    longdoc bench --readme README.md      # also replace the README's table between the bench markers
+    longdoc bench --publish docs/bench    # also publish bench.json and the plots there (the docs render them)
 
-Sections: attention (CP efficiency E, zigzag gain Z, ring vs all-gather, across lengths), train (tokens/s,
+Sections: attention (CP efficiency E, zigzag gain Z, ring vs all-gather, across lengths), hybrid (a
+Granite-4.0-H-shaped Mamba2 + attention model at 16k: E, peak memory, state-exchange vs ring bytes), train (tokens/s,
 cp=1 vs cp=2 at equal cores, tiny and 135M), memory (peak per rank vs cp), longest (longest sequence under
-a per-process cap), calibration (planner vs measured peaks of every CPU run made), gpu (CUDA only: block
+a per-process cap), calibration (planner vs measured peaks of every CPU run made), dsa (sparse indexed
+attention: a tiny DeepSeek-V3.2 at 16k tokens, one process vs CP, DSA vs dense causal), gpu (CUDA only: block
 kernels vs one flash call). The report records the machine and its load average: timings taken on a
 loaded machine are flagged as such (memory peaks are not affected by load).
 """
@@ -19,20 +21,22 @@ import json
 import os
 import platform
 import re
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from longdoc.bench import agreement, attention, calibrate, patterns, plots, train_sections
+from longdoc.bench import agreement, attention, calibrate, dsa, patterns, plots, train_sections
+from longdoc.bench import hybrid as hybrid_bench
 from longdoc.bench.attention import AttentionBenchConfig
 from longdoc.bench.gpu import KernelBenchConfig
 from longdoc.bench.runs import TrainRun
 from longdoc.bench.sections import SECTIONS
 from longdoc.bench.train_sections import Measured, TrainBenchConfig
+from longdoc.io import atomic_write, atomic_write_text
 from longdoc.plan.hardware import machine_memory_gib
 
 OTHERS_LIMIT = 0.1  # share of the cores other processes may use before timings are flagged as disturbed
-README_START, README_END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 
 @dataclass(kw_only=True)
@@ -46,6 +50,8 @@ class SuiteConfig:
     train: TrainBenchConfig = field(default_factory=TrainBenchConfig)
     calibration_runs: tuple[TrainRun, ...] = calibrate.DEFAULT_RUNS
     gpu: KernelBenchConfig = field(default_factory=KernelBenchConfig)
+    hybrid: hybrid_bench.HybridBenchConfig = field(default_factory=hybrid_bench.HybridBenchConfig)
+    dsa: dsa.DsaBenchConfig = field(default_factory=dsa.DsaBenchConfig)
 
 
 def quick() -> SuiteConfig:
@@ -55,7 +61,9 @@ def quick() -> SuiteConfig:
                                                             rows=2, repeats=1),
                        agreement=agreement.AgreementBenchConfig(seq_len=1024, steps=1, repeats=3),
                        train=train_sections.QUICK, calibration_runs=calibrate.QUICK_RUNS,
-                       gpu=KernelBenchConfig(lengths=(4096, 16384), ranks=(2, 4), repeats=2))
+                       gpu=KernelBenchConfig(lengths=(4096, 16384), ranks=(2, 4), repeats=2),
+                       hybrid=hybrid_bench.HybridBenchConfig(seq_len=1024, repeats=1, layers=4, hidden=64,
+                                                             mamba_heads=8, state=16, chunk=32), dsa=dsa.QUICK)
 
 
 def machine() -> dict:
@@ -131,6 +139,10 @@ def run(cfg: SuiteConfig, log=print) -> dict:
             # the pattern rows (window, packed documents, sinks, soft-cap) and the batch agreement's cost
             result["sections"]["attention_patterns"] = patterns.run(cfg.patterns)
             result["sections"]["agreement"] = agreement.run(cfg.agreement)
+        elif name == "hybrid":
+            res = hybrid_bench.run(cfg.hybrid)
+            log(f"  hybrid {cfg.hybrid.seq_len} tokens: E {res['E']:.3f}, peak {res['single_peak_gib']:.2f} -> "
+                f"{res['cp_peak_gib']:.2f} GiB")
         elif name == "train":
             res = [m.to_dict() for m in train_sections.throughput(cfg.train, measure)]
             result["plots"].append(str(plots.throughput(res, out)))
@@ -146,6 +158,8 @@ def run(cfg: SuiteConfig, log=print) -> dict:
             res = [_calibration_row(m) for m in measured.values()]
             calibrated = [r for r in res if r["calibrated"]] or res
             result["plots"].append(str(plots.calibration(calibrated, out, calibrate.TOLERANCE)))
+        elif name == "dsa":
+            res = dsa.run(cfg.dsa)
         elif name == "gpu":
             if not torch.cuda.is_available():
                 log("  skipped: no CUDA device")
@@ -197,6 +211,9 @@ def to_markdown(result: dict) -> str:
                   patterns.to_markdown(s["attention_patterns"])]
     if "agreement" in s:
         lines += ["", "#### Batch content agreement", "", agreement.to_markdown(s["agreement"])]
+    if "hybrid" in s:
+        lines += ["", "#### Hybrid model (Mamba2 + attention): CP vs one process, state exchange vs ring", "",
+                  hybrid_bench.to_markdown(s["hybrid"])]
     if "train" in s:
         rows = [_from_dict(r) for r in s["train"]]
         lines += ["", "#### Training step: cp=1 vs cp=2 at equal total cores", "",
@@ -223,6 +240,9 @@ def to_markdown(result: dict) -> str:
                           "memory: "
                           + "; ".join(f"{r['run']}: {r['measured_gib']:.2f} GiB measured vs {r['predicted_gib']:.2f} "
                                       f"planned" for r in raw) + "."]
+    if "dsa" in s:
+        lines += ["", "#### Sparse indexed attention (DeepSeek DSA): one process vs CP, DSA vs dense causal", "",
+                  dsa.to_markdown(s["dsa"])]
     if "gpu" in s:
         lines += ["", "#### CUDA block kernels", "", gpu.to_markdown(s["gpu"])]
     if result.get("plots"):
@@ -237,13 +257,17 @@ def _from_dict(d: dict) -> Measured:
                     tokens_per_s=d["tokens_per_s"], step_s=d["step_s"], rank_peaks_gib=d["rank_peaks_gib"])
 
 
-def update_readme(path: str | Path, markdown: str) -> bool:
-    """Replace the text between the bench markers of a README; False if the markers are missing."""
-    p = Path(path)
-    text = p.read_text()
-    if README_START not in text or README_END not in text:
-        return False
-    head, rest = text.split(README_START, 1)
-    _, tail = rest.split(README_END, 1)
-    p.write_text(f"{head}{README_START}\n{markdown}\n{README_END}{tail}")
-    return True
+def publish(result: dict, dest: str | Path) -> list[Path]:
+    """Copy a full run's bench.json and plots into `dest` (docs/bench in a checkout: the performance page, its
+    plots and the README's headline numbers are generated from that folder, never typed). Each file is replaced
+    atomically; files of `dest` the run did not write (another section's json, an older plot) are kept."""
+    dest = Path(dest)
+    written = []
+    plots_out = []
+    for src in map(Path, result.get("plots", [])):
+        target = dest / src.name
+        written.append(atomic_write(target, lambda tmp, src=src: shutil.copyfile(src, tmp)))
+        plots_out.append(str(target))
+    record = {**result, "plots": plots_out}
+    written.append(atomic_write_text(dest / "bench.json", json.dumps(record, indent=2, default=str) + "\n"))
+    return written

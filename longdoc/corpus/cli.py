@@ -1,9 +1,10 @@
-"""`longdoc data synth` and `longdoc data prepare`.
+"""`longdoc data synth`, `longdoc data prepare` and `longdoc data rehearse`.
 
     longdoc data synth --domain legal --num-docs 4 --tokens 32768 --seed 0 --out legal.jsonl
     longdoc data prepare legal.jsonl --task qa --target-tokens 32768 --out runs/data/legal-qa
     longdoc data prepare legal.jsonl --task qa --target-tokens 4096 --questions-per-row 4 --epochs 3 --out qa.jsonl
     longdoc data prepare notes/ --task pretrain --target-tokens 65536 --skip-bad --out notes.parquet
+    longdoc data rehearse --model SmolLM2-135M-Instruct --samples 64 --out runs/data/rehearsal.jsonl
 
 Heavy imports (tokenizers, datasets) happen inside the handlers so `longdoc --help` stays fast.
 """
@@ -67,6 +68,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "its own question order and windows (default 1)")
     q.set_defaults(func=_prepare)
 
+    r = verbs.add_parser("rehearse", help="sample replay text from the base model itself (a data.mix rehearsal source)",
+                         description="Self-synthesised rehearsal (longdoc.corpus.rehearsal): the model writes user "
+                                     "requests and answers them, sampled at temperature 1, one {doc_id, text} record "
+                                     "per line. Point a data.mix source {source: rehearsal, path: OUT} at the file.")
+    r.add_argument("--model", default="SmolLM2-135M-Instruct", help="the base model (default: %(default)s)")
+    r.add_argument("--samples", type=int, default=64, help="conversations (default: %(default)s)")
+    r.add_argument("--max-new-tokens", type=cliargs.length, default=384, help="tokens per turn (default: %(default)s)")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--out", required=True, help="output .jsonl file")
+    r.set_defaults(func=_rehearse)
+
 
 def _synth(args: argparse.Namespace) -> int:
     from longdoc.corpus.synth import synthesize, write_jsonl
@@ -83,6 +95,26 @@ def _synth(args: argparse.Namespace) -> int:
     print(f"wrote {len(records)} {args.domain} documents to {args.out} in {time.perf_counter() - t0:.1f}s: "
           f"{min(lengths)}-{max(lengths)} tokens (target {args.tokens}), "
           f"{sum(len(r['qa']) for r in records)} questions of {len(kinds)} kinds ({', '.join(kinds)})")
+    return 0
+
+
+def _rehearse(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from longdoc import models
+    from longdoc.corpus import rehearsal
+
+    if args.samples < 1 or args.max_new_tokens < 1:
+        print("longdoc data rehearse: --samples and --max-new-tokens must be positive", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    tokenizer = models.load_tokenizer(args.model)
+    texts = rehearsal.generate(args.model, tokenizer, samples=args.samples, max_new_tokens=args.max_new_tokens,
+                               seed=args.seed)
+    rehearsal.write(texts, Path(args.out))
+    tokens = sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts)
+    print(f"wrote {len(texts)} samples of {args.model} to {args.out} in {time.perf_counter() - t0:.1f}s: "
+          f"{tokens} tokens")
     return 0
 
 

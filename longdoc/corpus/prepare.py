@@ -9,8 +9,9 @@
 
 Rows (columns): input_ids, labels (NOT shifted; -100 = no loss), position_ids (restart per document
 segment), cu_seqlens (segment boundaries), doc_ids, sources ("file:line"), token_starts (where each
-segment starts in its document's tokens), num_tokens, num_loss_tokens; QA rows add qa_id, kind and
-doc_pieces (the document token ranges shown). See data/README.md for the details.
+segment starts in its document's tokens), num_tokens, num_loss_tokens; QA rows add qa_id,
+kind, doc_pieces (the document token ranges shown) and doc_span ([start, end) of the document in the
+row). See data/README.md for the details.
 
 - pretrain: whole documents (+ EOS); longer than the target -> windows of exactly `target_tokens`
   overlapping by `overlap` (default target/8), each token scored once. Packing short documents into
@@ -42,7 +43,7 @@ from longdoc.corpus.qa_format import INSTRUCTION, qa_turns
 from longdoc.corpus.windows import evidence_pieces, pack_rows, pretrain_rows, qa_turns_row, segment_row
 
 MAX_TARGET = 1 << 20
-_CACHE_VERSION = 3
+_CACHE_VERSION = 4
 _SEP = " [...] "
 
 
@@ -100,6 +101,7 @@ def prepare(inputs: str | Path | list, tokenizer: Any = None, *, task: str = "pr
 def save(ds: Any, out: str | Path) -> str:
     """Write rows to a `.jsonl` or `.parquet` file, or else a `save_to_disk` folder; returns the kind."""
     out = str(out)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)  # `--out some/new/dir/rows.jsonl` makes the folder
     if out.endswith(".jsonl"):
         ds.to_json(out, lines=True)
         return "jsonl"
@@ -201,9 +203,11 @@ def _qa(tokenizer: Any, doc: list[int], qas: list[dict], spans: list[tuple[int, 
         pieces = evidence_pieces(len(doc), budget, spans, rng, len(sep))
     except ValueError as e:
         return {"input_ids": [], "labels": [], "position_ids": [], "cu_seqlens": [0, 0], "doc_ids": [doc_id],
-                "sources": [source], "token_starts": [0], "doc_pieces": [], **meta,
+                "sources": [source], "token_starts": [0], "doc_pieces": [], "doc_span": [0, 0], **meta,
                 "error": f"{source}: question {ids[0]}: {e}"}
     row_ids, labels = qa_turns_row(prefix, doc, pieces, sep, [(t.prompt, t.answer) for t in turns])
     row = segment_row(row_ids, labels, doc_id, source, pieces[0][0])
-    row.update(doc_pieces=[list(p) for p in pieces], **meta)
+    # where the document (its pieces and separators) lies in the row: a mix can put a loss on those tokens too
+    body = sum(b - a for a, b in pieces) + len(sep) * (len(pieces) - 1)
+    row.update(doc_pieces=[list(p) for p in pieces], doc_span=[len(prefix), len(prefix) + body], **meta)
     return row

@@ -1,12 +1,14 @@
-"""`longdoc eval qa | needle | position-loss | compare`: long-document evaluation on the CP machinery.
+"""`longdoc eval qa | needle | position-loss | ruler | compare`: long-document evaluation on the CP machinery.
 
     longdoc eval qa --model SmolLM2-135M-Instruct --data legal.jsonl medical.jsonl --cp 2
     longdoc eval needle --model runs/demo/final --domain legal --lengths 1024,2048,4096 --cp 2
     longdoc eval needle --model M --haystack my_contracts/ --lengths 4k,8k --cp 2      # your own documents
     longdoc eval position-loss --model runs/demo/final --data legal.jsonl --length 4096 --cp 2
+    longdoc eval ruler --model runs/demo/final --lengths 2k,4k,8k --samples 100 --cp 2   # RULER-style suite
     longdoc eval qa --model SmolLM2-135M-Instruct --data long.jsonl --rope-type yarn --rope-factor 2  # past 8k
     longdoc eval compare runs/eval/qa-base runs/eval/qa-tuned           # two run folders, or two models:
     longdoc eval compare SmolLM2-135M-Instruct runs/demo/final --names base tuned --data qa.jsonl --cp 2
+    longdoc eval compare SmolLM2-135M-Instruct runs/demo/final --tasks ruler --lengths 2k,4k,8k --cp 2
 
 --data / --haystack read every format `longdoc data prepare` reads (jsonl/json/parquet/csv, folders of
 .txt/.md, hub ids). A prompt longer than the model's context is refused before any compute; lengths take
@@ -15,7 +17,8 @@ k/M suffixes (4k = 4096).
 --cp N on one machine spawns N local gloo ranks. Under a launcher (`accelerate launch --multi_gpu
 --num_processes N -m longdoc eval ...` or torchrun) every process is one rank and --cp must equal N.
 Each run writes one folder (default runs/eval/<task>-<model>-<time>) with results.json, summary.md
-and PNGs, and prints its path.
+and PNGs, and prints its headline numbers (QA: EM, F1, answer NLL; needle: mean accuracy; position-loss:
+mean loss, first and last bucket; ruler: the average over tasks, per length) and the folder's path.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from longdoc import cliargs
+from longdoc import cliargs, zoo
 from longdoc.parallel.api import STRATEGIES
 from longdoc.parallel.layout import LAYOUTS
 
@@ -38,13 +41,16 @@ def _floats(text: str) -> list[float]:
 def _common(p: argparse.ArgumentParser, model: bool = True) -> None:
     if model:
         p.add_argument("--model", default="SmolLM2-135M-Instruct",
-                       help="model name, folder, .gguf, hub id or tiny:<arch> (default: %(default)s)")
+                       help=f"model name, folder, .gguf, hub id or tiny:<arch> ({', '.join(zoo.NAMES)}; "
+                            f"`longdoc verify --help` says which patterns each has) (default: %(default)s)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel ranks (default: %(default)s)")
     p.add_argument("--out", default=None, help="run folder (default: runs/eval/<task>-<model>-<time>)")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default: %(default)s)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="auto = CUDA under a launcher when available, else CPU")
     p.add_argument("--strategy", default="ring", choices=STRATEGIES, help="CP attention for the prefill")
+    p.add_argument("--ulysses-size", type=int, default=None,
+                   help="with --strategy usp: ranks per Ulysses group (a divisor of --cp; ring across the groups)")
     p.add_argument("--layout", default="zigzag", choices=LAYOUTS)
     p.add_argument("--threads", type=int, default=None, help="torch threads per spawned rank (default: cores / cp)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds any collective may wait (default: %(default)s)")
@@ -68,13 +74,34 @@ def _qa_args(p: argparse.ArgumentParser, required: bool) -> None:
 
 def _needle_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--domain", default="legal", choices=("legal", "medical"), help="filler text domain")
-    p.add_argument("--lengths", type=cliargs.lengths, default=[1024, 2048, 4096], help="context lengths, e.g. 1k,2k,4k")
+    p.add_argument("--lengths", type=cliargs.lengths, default=[1024, 2048, 4096],
+                   help="context lengths, e.g. 1k,2k,4k (needle; in compare also ruler's)")
     p.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths in [0, 1]")
     p.add_argument("--repeats", type=int, default=1, help="needles per cell (different values and haystacks)")
     p.add_argument("--haystack", nargs="+", default=None, metavar="FILE|FOLDER",
                    help="your own documents as the haystack (any format `longdoc data prepare` reads: text folders, "
                         "jsonl/json/parquet/csv); default: generated --domain documents")
     p.add_argument("--seed", type=int, default=0)
+
+
+def _ruler_args(p: argparse.ArgumentParser, alone: bool) -> None:
+    from longdoc.eval.ruler import generate
+
+    if alone:  # in `compare`, --lengths, --seed and --chat are shared with needle and qa
+        p.add_argument("--lengths", type=cliargs.lengths, default=generate.DEFAULT_LENGTHS,
+                       help="context lengths, prompt plus answer budget, e.g. 2k,4k,8k (default: 4k)")
+        p.add_argument("--seed", type=int, default=0, help="the samples' seed (default: %(default)s)")
+        p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                       help="use the chat template (default: when the tokenizer has one)")
+    p.add_argument("--samples", type=int, default=generate.DEFAULT_SAMPLES,
+                   help="ruler: samples per task and length (default: %(default)s)")
+    p.add_argument("--ruler-tasks", default="all",
+                   help=f"ruler: comma-separated subset of {', '.join(generate.TASKS)} (default: all)")
+    p.add_argument("--ruler-haystack", default="prose", choices=generate.HAYSTACKS,
+                   help="ruler: the needle tasks' filler, generated prose or RULER's repeated noise (default: prose)")
+    p.add_argument("--batch-size", default="auto",
+                   help=f"ruler: prompts per forward; auto = {generate.BATCH_TOKENS} // length, 1 to 16 "
+                        "(default: auto)")
 
 
 def _position_args(p: argparse.ArgumentParser) -> None:
@@ -88,7 +115,7 @@ def _position_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    ev = subparsers.add_parser("eval", help="evaluate long-context use: QA, needle, loss by position, compare",
+    ev = subparsers.add_parser("eval", help="evaluate long-context use: QA, needle, loss by position, RULER, compare",
                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ev.add_subparsers(dest="eval_cmd", metavar="COMMAND", required=True)
 
@@ -118,16 +145,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--limit-docs", type=int, default=None, help="first N documents per --data file")
     p.set_defaults(func=_run_task, task="position-loss")
 
+    p = sub.add_parser("ruler", help="RULER-style suite: 8 synthetic long-context tasks x lengths, score grid, heatmap")
+    _common(p)
+    _ruler_args(p, alone=True)
+    p.set_defaults(func=_run_task, task="ruler")
+
     p = sub.add_parser("compare", help="base vs fine-tuned side by side: two run folders, or two models to evaluate")
     p.add_argument("a", help="run folder (or suite folder) or model of the first side (e.g. the base model)")
     p.add_argument("b", help="run folder or model of the second side (e.g. the fine-tuned model)")
     p.add_argument("--names", nargs=2, default=None, metavar=("A", "B"), help="labels (default: base, tuned)")
     p.add_argument("--tasks", default="qa,needle,position-loss",
-                   help="tasks to run when A/B are models (default: %(default)s)")
+                   help="tasks to run when A/B are models: qa, needle, position-loss, ruler (default: %(default)s)")
     _common(p, model=False)
     _qa_args(p, required=False)
     _needle_args(p)
     _position_args(p)
+    _ruler_args(p, alone=False)
     p.set_defaults(func=_run_compare, task="compare")
 
 
@@ -141,6 +174,10 @@ def config(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--rope-factor needs --rope-type (linear or yarn), e.g. --rope-type yarn --rope-factor 2")
     if cfg.get("rope_type") is not None and (cfg.get("rope_factor") or 0) <= 1:
         raise ValueError(f"--rope-type {cfg['rope_type']} needs --rope-factor > 1 (e.g. 2: twice the context)")
+    if cfg.get("strategy") == "usp" and not cfg.get("ulysses_size"):
+        raise ValueError("--strategy usp needs --ulysses-size U (ranks per Ulysses group, a divisor of --cp)")
+    if cfg.get("ulysses_size") is not None and (cfg["ulysses_size"] < 1 or cfg.get("cp", 1) % cfg["ulysses_size"]):
+        raise ValueError(f"--ulysses-size must divide --cp {cfg.get('cp', 1)}, got {cfg['ulysses_size']}")
     if isinstance(cfg.get("length"), list):
         cfg["length"] = cfg["length"][0]
     return cfg
@@ -151,6 +188,9 @@ def _run_task(args: argparse.Namespace) -> int:
 
     path = tasks.run_and_report(args.task, config(args))
     if path is not None:
+        from longdoc.eval import report
+
+        print(report.headline(report.load_results(path)))
         print(f"report: {path}")
     return 0
 

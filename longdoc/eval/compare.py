@@ -1,7 +1,8 @@
 """`longdoc eval compare A B`: two models (or two finished runs) side by side - tables and plots.
 
 A and B are each either a run folder (results.json), a folder of run folders (one per task, as this
-command writes them), or a model to evaluate now with --tasks (default qa, needle, position-loss):
+command writes them), or a model to evaluate now with --tasks (default qa, needle, position-loss; ruler
+on request):
 
     longdoc eval compare SmolLM2-135M-Instruct runs/demo/final --names base tuned \
         --data heldout.jsonl --lengths 1k,2k --cp 2 --out runs/eval/demo-compare
@@ -13,7 +14,9 @@ the --data documents unless --pl-data (or --length, to generate documents) says 
 QA differences come with a paired bootstrap confidence interval: both sides answered the same questions,
 so the per-question differences are resampled (questions drawn with replacement) and the 2.5th and
 97.5th percentiles of their mean bound the difference. A difference whose interval holds 0 is marked
-"within noise": the questions asked cannot tell the two models apart on that metric.
+"within noise": the questions asked cannot tell the two models apart on that metric. RULER-style
+differences pair the same way, sample by sample (same task, length, index and expected answers), per
+task, per length and per task and length.
 """
 
 from __future__ import annotations
@@ -151,21 +154,42 @@ def _nll_figure(sa: dict, sb: dict, names: tuple[str, str]):
     return fig
 
 
-def console_summary(results: dict[str, Any]) -> list[str]:
-    """The lines `longdoc eval compare` prints: each QA metric of both sides, its delta and the interval."""
-    qa = results.get("qa")
-    if not qa:
+def _ruler_lines(results: dict[str, Any]) -> list[str]:
+    ruler = results.get("ruler")
+    if not ruler:
         return []
     a, b = results["names"]
     lines = []
-    for k, label in _QA_METRICS:
+    for label, d in [*ruler["by_task"].items(), ("all tasks", ruler["overall"])]:
+        p = d["paired"]
+        if d["a"] is None or d["b"] is None:
+            continue
+        ci = (f", {p['level']:.0%} paired bootstrap CI [{p['low']:+.3f}, {p['high']:+.3f}] over {p['n']} samples"
+              + (" - within noise" if p["noise"] else "") if p.get("low") is not None else "")
+        lines.append(f"ruler {label}: {a} {d['a']:.3f}, {b} {d['b']:.3f}, delta {d['b'] - d['a']:+.3f}{ci}")
+    return lines
+
+
+def console_summary(results: dict[str, Any]) -> list[str]:
+    """The lines `longdoc eval compare` prints: each QA metric and each RULER-style task of both sides, its delta
+    and the interval; the needle grid's mean accuracy and the mean loss by position of both sides."""
+    a, b = results["names"]
+    lines = []
+    qa = results.get("qa") or {}
+    for k, label in _QA_METRICS if qa else ():
         va, vb, p = qa["overall"][k]["a"], qa["overall"][k]["b"], qa.get("paired", {}).get(k)
         if va is None or vb is None:
             continue
         ci = (f", {p['level']:.0%} paired bootstrap CI [{p['low']:+.3f}, {p['high']:+.3f}] over {p['n']} questions"
               + (" - within noise" if p["noise"] else "") if p and p.get("low") is not None else "")
         lines.append(f"qa {label}: {a} {va:.3f}, {b} {vb:.3f}, delta {vb - va:+.3f}{ci}")
-    return lines
+    for task, key, label in (("needle", "mean_accuracy", "mean accuracy"),
+                             ("position-loss", "overall", "mean loss (nats/token)")):
+        pair = (results.get(task) or {}).get(key) or {}
+        if pair.get("a") is not None and pair.get("b") is not None:
+            va, vb = pair["a"], pair["b"]
+            lines.append(f"{task} {label}: {a} {va:.3f}, {b} {vb:.3f}, delta {vb - va:+.3f}")
+    return lines + _ruler_lines(results)
 
 
 def _needle(a: dict, b: dict, names: tuple[str, str], out: Path) -> tuple[dict, list[str]]:
@@ -197,7 +221,59 @@ def _delta(a: Any, b: Any) -> float | None:
     return None if a is None or b is None else b - a
 
 
-_SECTIONS = {"qa": _qa, "needle": _needle, "position-loss": _position}
+def _ruler_pairs(a: dict, b: dict) -> tuple[list[tuple[dict, dict]], int]:
+    """(row of a, row of b) for the samples both sides scored: the same task, length and index, and the same
+    expected answers (another seed or tokenizer makes other samples, which do not pair); and the unpaired count."""
+    rows_b = {(r["task"], r["length"], r["index"]): r for r in b.get("rows") or []}
+    pairs, unpaired = [], 0
+    for r in a.get("rows") or []:
+        other = rows_b.get((r["task"], r["length"], r["index"]))
+        if other is not None and other["references"] == r["references"]:
+            pairs.append((r, other))
+        else:
+            unpaired += 1
+    return pairs, unpaired
+
+
+def _ruler(a: dict, b: dict, names: tuple[str, str], out: Path) -> tuple[dict, list[str]]:
+    pairs, unpaired = _ruler_pairs(a, b)
+    tasks = [t for t in a["tasks"] if t in b["tasks"]]
+    lengths = [n for n in a["lengths"] if n in b["lengths"]]
+
+    def side(keep) -> dict[str, Any]:
+        kept = [(x, y) for x, y in pairs if keep(x)]
+        p = paired_bootstrap([x["score"] for x, _ in kept], [y["score"] for _, y in kept])
+        mean = (lambda v: sum(v) / len(v) if v else None)
+        return {"a": mean([x["score"] for x, _ in kept]), "b": mean([y["score"] for _, y in kept]), "paired": p}
+
+    data: dict[str, Any] = {
+        "tasks": tasks, "lengths": lengths, "unpaired": unpaired, "overall": side(lambda r: True),
+        "by_task": {t: side(lambda r, t=t: r["task"] == t) for t in tasks},
+        "by_length": {str(n): side(lambda r, n=n: r["length"] == n) for n in lengths},
+        "cells": {f"{t}@{n}": side(lambda r, t=t, n=n: r["task"] == t and r["length"] == n)
+                  for t in tasks for n in lengths}}
+    report.save_figure(plots.compare_ruler_figure(a, b, names), out / "compare_ruler.png")
+    level = f"{CI_LEVEL:.0%} CI of the delta (paired bootstrap)"
+
+    def row(label, d):
+        return [label, d["a"], d["b"], _delta(d["a"], d["b"]), d["paired"]["n"], _ci(d["paired"])]
+
+    header = ["", *names, "delta", "samples", level]
+    md = ["## RULER-style suite\n",
+          f"Pooled over the lengths {', '.join(map(str, lengths))}; every sample is scored by both models, so the "
+          f"differences pair ({BOOTSTRAP_SAMPLES} resamples of the samples)."
+          + (f" {unpaired} samples of {names[0]} have no twin in {names[1]} (another seed, tokenizer or length) "
+             f"and are left out." if unpaired else "") + "\n",
+          report.table(header, [row(t, data["by_task"][t]) for t in tasks] + [row("**all tasks**", data["overall"])]),
+          "", "### By length (average over tasks)\n",
+          report.table(header, [row(n, data["by_length"][n]) for n in data["by_length"]]), "",
+          "### By task and length\n",
+          report.table(header, [row(k.replace("@", " @ "), d) for k, d in data["cells"].items()]), "",
+          "![RULER-style suite](compare_ruler.png)\n"]
+    return data, md
+
+
+_SECTIONS = {"qa": _qa, "needle": _needle, "position-loss": _position, "ruler": _ruler}
 
 
 def write_comparison(runs_a: dict[str, Path], runs_b: dict[str, Path], names: tuple[str, str], out: Path) -> Path:

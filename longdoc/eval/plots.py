@@ -115,3 +115,39 @@ def compare_needle_figure(a: dict[str, Any], b: dict[str, Any], names: tuple[str
     needle_figure(b, title=names[1], ax=axes[1])
     fig.colorbar(im, ax=axes, label="accuracy", fraction=0.04)
     return fig
+
+
+def ruler_figure(data: dict[str, Any], title: str = "RULER-style suite", ax=None):
+    """Heatmap of data["grid"][task][length] plus the average row: tasks on y, length on x (as the needle grid)."""
+    rows = [*data["tasks"], "average"]
+    values = [[float("nan") if v is None else v for v in row] for row in [*data["grid"], data["average"]]]
+    lengths = data["lengths"]
+    fig = None
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(2.6 + 1.1 * len(lengths), 1.4 + 0.42 * len(rows)), layout="constrained")
+    im = ax.imshow(values, cmap=NEEDLE_CMAP, norm=NEEDLE_NORM, aspect="auto", interpolation="nearest")
+    for i, row in enumerate(values):
+        for j, v in enumerate(row):
+            if v == v:
+                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8, color="black",
+                        fontweight="bold" if i == len(rows) - 1 else "normal")
+    ax.axhline(len(rows) - 1.5, color="black", linewidth=1.0)
+    ax.set_xticks(range(len(lengths)), [_length_label(n) for n in lengths])
+    ax.set_yticks(range(len(rows)), rows)
+    ax.set_xlabel("Context length (tokens)")
+    ax.set_title(title, fontsize=10)
+    if fig is not None:
+        fig.colorbar(im, ax=ax, label="score", fraction=0.05)
+        return fig
+    return im
+
+
+def compare_ruler_figure(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str]):
+    """The two RULER-style grids side by side on one color scale."""
+    rows = max(len(a["tasks"]), len(b["tasks"])) + 1
+    fig, axes = plt.subplots(1, 2, figsize=(5.0 + 1.1 * (len(a["lengths"]) + len(b["lengths"])), 1.4 + 0.42 * rows),
+                             layout="constrained")
+    im = ruler_figure(a, title=names[0], ax=axes[0])
+    ruler_figure(b, title=names[1], ax=axes[1])
+    fig.colorbar(im, ax=axes, label="score", fraction=0.04)
+    return fig

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from longdoc.eval import data, plots, report, runner
@@ -85,7 +84,7 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, cp: ContextParallel, cfg: d
         if not was_patched:
             unpatch(model)
     if cp.size > 1:
-        comm.Pending([dist.all_reduce(sums, group=cp.group, async_op=True)], cp.timeout, "all-reduce").wait()
+        comm.all_reduce(sums, cp.group, cp.timeout, cp.guard, "all_reduce position loss")
     if not used:
         raise runner.EvalInputError(f"no document has {length} tokens ({skipped} shorter ones skipped); lower "
                                     f"--length or pass longer documents")

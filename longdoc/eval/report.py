@@ -95,3 +95,24 @@ def run_header(title: str, results: dict[str, Any]) -> str:
     if results.get("seconds") is not None:
         bits.append(f"- wall time: {results['seconds']:.0f} s")
     return "\n".join(bits) + "\n"
+
+
+def headline(results: dict) -> str:
+    """One line of a task's results, the numbers a user looks for first (`longdoc eval` prints it)."""
+    task = results.get("task")
+    if "summary" in results and "overall" in results["summary"]:  # qa
+        o = results["summary"]["overall"]
+        parts = [f"{label} {fmt(o.get(k), 3)}" for k, label in (("em", "EM"), ("f1", "F1"), ("contains", "contains"),
+                                                              ("nll_per_token", "answer NLL/token")) if k in o]
+        return f"qa: {', '.join(parts)} over {o.get('n', '?')} questions"
+    if "mean_accuracy" in results:  # needle
+        return f"needle: mean accuracy {fmt(results['mean_accuracy'], 3)} over {len(results.get('cells', []))} cells"
+    if task == "ruler":
+        per_length = ", ".join(f"{n}: {fmt(v, 3)}" for n, v in zip(results["lengths"], results["average"]))
+        return (f"ruler: average {fmt(results.get('overall'), 3)} over {len(results['tasks'])} tasks x "
+                f"{results['samples']} samples (by length {per_length})")
+    if "mean_loss" in results:  # position-loss
+        return (f"position-loss: mean loss {fmt(results.get('overall'))} nats per token over "
+                f"{results.get('documents', '?')} document(s) of {results.get('length', '?')} tokens; first bucket "
+                f"{fmt(results.get('first_bucket'))}, last {fmt(results.get('last_bucket'))}")
+    return f"{task}: done"

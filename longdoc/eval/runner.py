@@ -33,7 +33,9 @@ def check_dtype(name: str) -> str:
     return _DTYPE_ALIASES[name]
 
 
-def _device(cfg: dict[str, Any], launched: bool):
+def device_for(cfg: dict[str, Any], launched: bool):
+    """The torch device a rank evaluates on: cfg["device"], where "auto" is this rank's GPU under a launcher when
+    CUDA is available, else the CPU."""
     import torch
 
     want = cfg.get("device", "auto")
@@ -89,8 +91,9 @@ def run_rank(fn: Job, cfg: dict[str, Any], launched: bool = False) -> dict[str, 
     """One rank: build the CP group over the world, pick the device, run `fn(cp, device, cfg)`."""
     import longdoc
 
-    device = _device(cfg, launched)
-    cp = longdoc.ContextParallel(layout=cfg.get("layout", "zigzag"), timeout=cfg.get("timeout", 1800))
+    device = device_for(cfg, launched)
+    cp = longdoc.ContextParallel(layout=cfg.get("layout", "zigzag"), timeout=cfg.get("timeout", 1800),
+                                 ulysses_size=cfg.get("ulysses_size"))
     return fn(cp, device, cfg)
 
 
@@ -98,22 +101,9 @@ class EvalInputError(ValueError):
     """Bad input found on the ranks (the same on every rank, before any collective); the message says the fix."""
 
 
-def _input_errors() -> tuple[type[BaseException], ...]:
-    from longdoc.corpus.ingest import CorpusError
-    from longdoc.train.config import RecipeError
-
-    return RecipeError, CorpusError, EvalInputError
-
-
 def _spawned(rank: int, world_size: int, fn: Job, cfg: dict[str, Any]) -> dict[str, Any] | None:
-    try:
-        result = run_rank(fn, cfg)
-    except _input_errors() as e:  # every rank raises it alike; the parent shows the message, not a traceback
-        return {_ERROR: str(e)} if rank == 0 else None
+    result = run_rank(fn, cfg)
     return result if rank == 0 else None  # only rank 0's copy travels back
-
-
-_ERROR = "__input_error__"
 
 
 def run(fn: Job, cfg: dict[str, Any]) -> dict[str, Any] | None:
@@ -135,12 +125,12 @@ def run(fn: Job, cfg: dict[str, Any]) -> dict[str, Any] | None:
             return result if joined.is_main else None
     if cp_size == 1:
         return run_rank(fn, cfg)
+    from longdoc.errors import USER_ERRORS
     from longdoc.spawn import run_local
 
     threads = int(cfg.get("threads") or max(1, (os.cpu_count() or 1) // cp_size))
     # The deadline bounds the whole run; collectives keep their own timeout (cfg["timeout"]).
-    result = run_local(cp_size, _spawned, fn, cfg, threads=threads, deadline=float(cfg.get("deadline", 7 * 86400)),
-                       pg_timeout=float(cfg.get("timeout", 1800)))[0]
-    if isinstance(result, dict) and _ERROR in result:
-        raise EvalInputError(result[_ERROR])
-    return result
+    # Bad input raised on the ranks (every rank alike, before any collective) comes back as the same exception,
+    # so the parent prints the one line a single process prints.
+    return run_local(cp_size, _spawned, fn, cfg, threads=threads, deadline=float(cfg.get("deadline", 7 * 86400)),
+                     pg_timeout=float(cfg.get("timeout", 1800)), input_errors=USER_ERRORS)[0]

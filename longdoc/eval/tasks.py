@@ -16,7 +16,8 @@ from typing import Any
 
 from longdoc.eval import report, runner
 
-TASKS = {"qa": "longdoc.eval.qa", "needle": "longdoc.eval.needle", "position-loss": "longdoc.eval.position"}
+TASKS = {"qa": "longdoc.eval.qa", "needle": "longdoc.eval.needle", "position-loss": "longdoc.eval.position",
+         "ruler": "longdoc.eval.ruler.run"}
 
 
 def module(name: str):

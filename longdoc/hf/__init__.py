@@ -12,16 +12,21 @@ Importing this package imports transformers; `import longdoc` alone does not.
     trainer.py    CPTrainer / CPTrainerMixin: transformers.Trainer (and TRL) under CP
 """
 
+from typing import TYPE_CHECKING, Any
+
 from longdoc.hf.modelinfo import UnsupportedFeatureError
 from longdoc.hf.patch import is_patched, patch, unpatch
 from longdoc.hf.session import Generation, KVSession, generate
 from longdoc.parallel.batch import CPInputError, shard_batch, shift_labels
 
+if TYPE_CHECKING:  # type checkers see the classes; at run time __getattr__ imports transformers.Trainer lazily
+    from longdoc.hf.trainer import CPTrainer, CPTrainerMixin
+
 __all__ = ["CPInputError", "CPTrainer", "CPTrainerMixin", "Generation", "KVSession", "UnsupportedFeatureError",
            "generate", "is_patched", "patch", "shard_batch", "shift_labels", "unpatch"]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     # CPTrainer pulls in transformers.Trainer (and accelerate): only when asked for.
     if name in ("CPTrainer", "CPTrainerMixin"):
         from longdoc.hf import trainer

@@ -15,9 +15,12 @@ window (the `sliding_window` argument or the module's attribute), Llama 4's chun
 layer's type in config.layer_types and config.attention_chunk_size: the call carries no chunk
 argument), logit soft-capping (`softcap`), attention sinks (`s_aux` / `sinks`), and, for packed
 rows, the documents the forward pre-hook read from the call's `cu_seq_lens_q` (cp.shard_batch makes
-them). The mask function builds nothing: those patterns are computed in global positions by the core,
-and right padding needs no mask for the tokens that count (cp.shard_batch turns left padding into
-right padding). Everything else that would change the result is refused at call time, naming the feature.
+them), and sparse indexed attention's selected keys (`indices=`, the DSA indexer's global top-k: see
+longdoc.hf.kinds.dsa). The mask function builds nothing: those patterns are computed in global positions by
+the core, and right padding needs no mask for the tokens that count (cp.shard_batch turns left padding into
+right padding); models with indexed attention layers, whose code slices the mask for their indexer, get an
+all-visible placeholder of zero size in memory instead of None (`no_mask`). Everything else that would change
+the result is refused at call time, naming the feature.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from longdoc.hf import decode
+from longdoc.hf.kinds import temperature
 from longdoc.hf.modelinfo import model_name, positive_int, refuse
 from longdoc.parallel.api import ContextParallel, attention
 from longdoc.parallel.batch import documents_of
@@ -56,6 +60,8 @@ class Session:
     # global positions of the tokens this rank has cached before the current extend call: the window and
     # chunk masks of decoded tokens are functions of global positions
     key_positions: torch.Tensor | None = None
+    # the same for every rank of the group (identical on all ranks): where each rank's cached DSA index keys go
+    rank_positions: list[torch.Tensor] | None = None
 
 
 class CPHandle:
@@ -74,7 +80,16 @@ class CPHandle:
         self.attention_calls = 0  # in the current forward, checked after it
         self.documents: tuple | None = None  # per row Packed of the current forward (packed rows), or None
         self.documents_from: torch.Tensor | None = None  # the cu_seq_lens_q tensor `documents` was read from
+        self.row_lengths: torch.Tensor | None = None  # (batch,) real row lengths of a padded batch (cp.shard_batch)
+        self.local_len = 0  # local tokens of the current forward
+        self.ce_share: torch.Tensor | None = None  # the cross-entropy loss share of the current forward
+        self.router_problem: tuple[str, str] | None = None  # why the model's MoE router loss is refused, if it is
         self.loss_calls = 0
+        # layer -> the pattern its last training/prefill forward computed: LayerPattern.seen(...), for reports
+        # (`longdoc verify` prints which patterns a run exercised)
+        self.patterns_seen: dict = {}
+        self.kind_calls: dict[str, int] = {}  # layer kinds (longdoc.hf.kinds) run in the current forward, by name
+        self.layer_kinds: tuple = ()  # the LayerKinds of the model's swapped modules (longdoc.hf.kinds.attach)
         self.restore: tuple | None = None  # (attn implementation, had own loss_function, that loss_function)
 
     @property
@@ -130,7 +145,8 @@ def set_implementation(hf, implementation: str) -> None:
 
 
 def check_all_layers(handle: CPHandle, n_layers: int) -> None:
-    """After a forward: every decoder layer's attention went through NAME (else the result is not exact)."""
+    """After a forward: every attention layer went through NAME (else the result is not exact); n_layers counts
+    the layers with attention (longdoc.hf.kinds.attention_layers)."""
     if handle.attention_calls < n_layers:
         raise RuntimeError(
             f"longdoc.patch: only {handle.attention_calls} of {n_layers} layers of {handle.model_name} ran their "
@@ -152,6 +168,13 @@ class LayerPattern:
 
     def kwargs(self) -> dict:
         return {"window": self.window, "chunk_size": self.chunk_size, "softcap": self.softcap, "sinks": self.sinks}
+
+    def seen(self, length: int, documents: int) -> tuple:
+        """What this call computed, as plain data: (window, chunk, softcap, sinks, documents in the row, length)
+        over a global row of `length` tokens; a window or chunk that covers the whole row hides nothing."""
+        return (self.window if self.window is not None and self.window < length else None,
+                self.chunk_size if self.chunk_size is not None and self.chunk_size < length else None,
+                self.softcap, self.sinks is not None, documents, length)
 
 
 def _layer_type(handle: CPHandle, module) -> str | None:
@@ -186,11 +209,35 @@ def layer_pattern(handle: CPHandle, module, kwargs: dict) -> LayerPattern | tupl
     return LayerPattern(window, chunk, float(softcap) if softcap is not None else None, sinks)
 
 
+def no_mask(batch_size: int, q_length: int, kv_length: int, device) -> torch.Tensor:
+    """The mask function's answer for models with indexed attention layers (their code slices the mask for the
+    indexer): an all-True (batch, 1, q, kv) view of one element, marked, that the attention function reads
+    as no mask. The swapped indexer (longdoc.hf.kinds.dsa) never looks at it."""
+    mask = torch.ones((), dtype=torch.bool, device=device).expand(batch_size, 1, q_length, kv_length)
+    mask._longdoc_no_mask = True
+    return mask
+
+
+def is_no_mask(mask) -> bool:
+    return mask is not None and getattr(mask, "_longdoc_no_mask", False)
+
+
+def _selected_problem(indices, query) -> tuple[str, str] | None:
+    if indices is None:
+        return None
+    if not torch.is_tensor(indices) or indices.is_floating_point() or indices.dim() != 3 \
+            or tuple(indices.shape[:2]) != (query.shape[0], query.shape[2]):
+        return (f"sparse attention indices of unsupported form ({type(indices).__name__} "
+                f"{tuple(getattr(indices, 'shape', ()))})",
+                "indices must be (batch, queries, k) integer key positions, as the DSA indexer returns them")
+    return None
+
+
 def _problem(handle: CPHandle, module, query, key, attention_mask, dropout, is_causal,
              kwargs) -> tuple[str, str] | None:
     """(feature, fix) when this attention call asks for something the current mode does not compute."""
     mode = handle.mode
-    if attention_mask is not None:
+    if attention_mask is not None and not is_no_mask(attention_mask):
         shape = tuple(getattr(attention_mask, "shape", ()))
         if mode != "train":
             return (f"an attention mask {shape}",
@@ -222,7 +269,7 @@ def _problem(handle: CPHandle, module, query, key, attention_mask, dropout, is_c
     if mode == "train" and cu is not None and handle.documents is None and not torch.is_tensor(cu):
         return (f"cu_seq_lens_q of unsupported form ({type(cu).__name__})",
                 "pass packed rows built by cp.shard_batch (global document boundaries as a 1-D tensor)")
-    return None
+    return _selected_problem(kwargs.get("indices"), query)
 
 
 def pad_head_dims(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
@@ -248,6 +295,10 @@ def cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
         problem = pattern
     if problem is not None:
         raise refuse(handle.model_name, *problem)
+    if temperature.is_tuned(module):  # Llama 4 NoPE layers: the queries' scale from each token's row index
+        docs = _documents(handle, kwargs.get("cu_seq_lens_q"), query.shape[0], query.shape[2]) \
+            if handle.session is None else None
+        query = temperature.scale_queries(module, handle, query, docs)
 
     if torch.is_autocast_enabled(query.device.type):
         # Under autocast SDPA (which this replaces) runs in the autocast dtype; RoPE leaves q and k in fp32
@@ -259,15 +310,17 @@ def cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
     v_dim = value.shape[-1]
     query, key, value = pad_head_dims(query, key, value)
     session = handle.session
+    selected = kwargs.get("indices")  # sparse indexed attention: the indexer's GLOBAL key positions per query
     if session is None:
-        out = _train_attention(handle, query, key, value, scaling, pattern, kwargs.get("cu_seq_lens_q"))
+        out = _train_attention(handle, query, key, value, scaling, pattern, kwargs.get("cu_seq_lens_q"), selected,
+                               layer=getattr(module, "layer_idx", id(module)))
     elif session.mode == "prefill":
         out = attention(query, key, value, session.cp, causal=True, scale=scaling, strategy=session.strategy,
-                        **pattern.kwargs())
+                        selected=selected, **pattern.kwargs())
     else:
         out = decode.extend_attention(query, key, value, session.cp, scaling, session.appending,
                                       pattern=pattern, start=session.total - query.shape[2],
-                                      key_positions=session.key_positions)
+                                      key_positions=session.key_positions, selected=selected)
     handle.attention_calls += 1
     # (batch, q_heads, len, head_dim) -> (batch, len, q_heads, v_dim), what HF modules expect
     return out[..., :v_dim].transpose(1, 2).contiguous(), None
@@ -286,25 +339,37 @@ def _documents(handle: CPHandle, cu: torch.Tensor | None, bsz: int, local_len: i
 
 
 def _train_attention(handle: CPHandle, query, key, value, scaling: float, pattern: LayerPattern,
-                     cu: torch.Tensor | None = None) -> torch.Tensor:
+                     cu: torch.Tensor | None = None, selected: torch.Tensor | None = None,
+                     layer=None) -> torch.Tensor:
     docs = _documents(handle, cu, query.shape[0], query.shape[2])
+    handle.patterns_seen[layer] = pattern.seen(query.shape[2] * handle.cp.size,
+                                               max((len(d.doc_lens) for d in docs), default=1) if docs else 1)
     run = functools.partial(attention, cp=handle.cp, causal=True, scale=scaling, strategy=handle.strategy,
                             **pattern.kwargs())
     if docs is None:
-        return run(query, key, value)
+        return run(query, key, value, selected=selected)
     if all(d == docs[0] for d in docs):
-        return run(query, key, value, documents=docs[0])
+        return run(query, key, value, documents=docs[0], selected=selected)
     # Rows packed differently are zigzagged differently: one CP attention per row (every rank loops alike).
-    return torch.cat([run(query[b:b + 1], key[b:b + 1], value[b:b + 1], documents=docs[b])
+    return torch.cat([run(query[b:b + 1], key[b:b + 1], value[b:b + 1], documents=docs[b],
+                          selected=selected[b:b + 1] if selected is not None else None)
                       for b in range(query.shape[0])], dim=0)
 
 
-def cp_mask(batch_size: int, q_length: int, kv_length: int, *args, **kwargs) -> None:
+def _indexed(config) -> bool:
+    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+    return "indexed_attention" in (getattr(text, "layer_types", None) or ())
+
+
+def cp_mask(batch_size: int, q_length: int, kv_length: int, *args, **kwargs) -> torch.Tensor | None:
     """Mask function for AttentionMaskInterface: never builds a mask (no (L x L) tensor per rank).
 
     The 2-D padding mask, if any, was checked to be right padding by the patched model's forward
     pre-hook; 4-D masks never reach this function (transformers passes them through unchanged and
-    `cp_attention_forward` refuses them)."""
+    `cp_attention_forward` refuses them). Models with indexed attention layers get `no_mask` (their code
+    slices the mask)."""
+    if _indexed(kwargs.get("config")):
+        return no_mask(batch_size, q_length, kv_length, kwargs.get("device") or "cpu")
     return None
 
 

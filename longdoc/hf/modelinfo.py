@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import torch
 
+from longdoc.errors import UserError
+
 # Layer kinds whose attention the CP core computes (full causal, sliding window, Llama 4 chunks); the MLP
 # kinds carry no attention at all. Anything else (linear attention, SSM, convolutions) is refused by name.
 _SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "dense", "sparse", "moe"}
 
 
-class UnsupportedFeatureError(NotImplementedError):
+class UnsupportedFeatureError(UserError, NotImplementedError):
     """A model feature the context-parallel path cannot reproduce exactly."""
 
 
@@ -53,8 +55,9 @@ def _configs(config) -> list:
     return out
 
 
-def check_config(config, name: str) -> None:
-    """Refuse, by name, config features that make attention differ from what the CP core computes."""
+def check_config(config, name: str, covered: frozenset[str] = frozenset()) -> None:
+    """Refuse, by name, config features that make attention differ from what the CP core computes.
+    covered: the layer types the model's layer kinds (longdoc.hf.kinds) compute besides attention."""
     for c in _configs(config):
         if not getattr(c, "is_causal", True) or getattr(c, "use_bidirectional_attention", False):
             raise refuse(name, "non-causal (bidirectional) attention",
@@ -63,7 +66,7 @@ def check_config(config, name: str) -> None:
                 or getattr(c, "model_type", None) in ("bloom", "mpt")):
             raise refuse(name, "ALiBi position biases", "use a RoPE or absolute-position model")
         types = list(getattr(c, "layer_types", None) or ())
-        kinds = sorted(set(types) - _SUPPORTED_LAYER_TYPES)
+        kinds = sorted(set(types) - _SUPPORTED_LAYER_TYPES - covered)
         if kinds:
             raise refuse(name, f"layers of type {', '.join(map(repr, kinds))} (linear attention, state-space or "
                          f"convolution layers have no attention pattern the CP core computes)",
@@ -71,17 +74,27 @@ def check_config(config, name: str) -> None:
         if "chunked_attention" in types and not positive_int(getattr(c, "attention_chunk_size", None)):
             raise refuse(name, f"chunked attention layers without a valid attention_chunk_size "
                          f"({getattr(c, 'attention_chunk_size', None)!r})", "set config.attention_chunk_size")
-        no_rope = getattr(c, "no_rope_layers", None)
-        if getattr(c, "attn_temperature_tuning", False) and no_rope is not None and not all(no_rope):
-            # Llama 4 scales the queries of its NoPE layers by a function of the LOCAL token index
-            # (torch.arange over the call's tokens), which differs on every CP rank.
-            raise refuse(name, "attention temperature tuning on NoPE layers (attn_temperature_tuning=True)",
-                         "it scales queries by the token's index in the call, not its position; set "
-                         "config.attn_temperature_tuning = False only if you accept a different model")
-        if getattr(c, "output_router_logits", False):
-            raise refuse(name, "the MoE router auxiliary loss (output_router_logits=True)",
-                         "it is a non-linear function of whole-sequence router statistics; "
-                         "set config.output_router_logits = False")
+
+
+def own_loss_problem(hf) -> tuple[str, str] | None:
+    """(feature, fix) for a model whose forward takes labels but computes its loss itself instead of through
+    model.loss_function (which patch replaces by the CP share): the ForCausalLM decoders of the encoder-decoder
+    families (BART, mBART, Pegasus, Blenderbot, Marian, PLBart, MVP, TrOCR, Whisper, ProphetNet, ...), CPM-Ant,
+    MusicGen, XLM, XLNet. Most of them also take no position_ids, so they would number each rank's tokens from 0."""
+    import inspect
+
+    forward = type(hf).forward
+    try:
+        source = inspect.getsource(forward)
+        params = inspect.signature(forward).parameters
+    except (OSError, TypeError, ValueError):
+        return None
+    if "labels" not in params or "loss_function" in source:
+        return None
+    feature = "a loss computed by its own forward, not through model.loss_function (the CP loss share replaces that)"
+    if "position_ids" not in params:
+        feature += ", and positions taken from each call's token index (it accepts no position_ids)"
+    return feature, "run this model without CP"
 
 
 def positive_int(x) -> bool:

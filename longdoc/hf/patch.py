@@ -7,7 +7,7 @@
 What patch does, all of it undoable with `unpatch(model)`:
   - switches the model to the "longdoc_cp" backend (longdoc.hf.attention registers it, never replacing
     a name): the model's own modules run unchanged;
-  - puts a `CPHandle` (the cp group and the ring strategy) on the model's modules, where the
+  - puts a `CPHandle` (the cp group and the CP strategy) on the model's modules, where the
     attention function finds it: no globals, so several patched models and groups coexist;
   - replaces the causal-LM loss with the CP share (sum of token losses / global token count);
   - routes `model.generate(...)` through the CP KV session (longdoc.hf.session.generate) for the
@@ -22,20 +22,29 @@ from __future__ import annotations
 
 import functools
 import inspect
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
 
 from longdoc.hf import attention as backend
-from longdoc.hf import modelinfo
+from longdoc.hf import kinds, modelinfo, router
 from longdoc.hf import session as sessions
 from longdoc.hf.attention import CPHandle
-from longdoc.hf.modelinfo import UnsupportedFeatureError, check_config, hf_model, model_name, refuse, rope_limit
+from longdoc.hf.call_checks import (
+    PADDING_FIX,
+    InputProblem,
+    call_problem,
+    right_padded,
+    row_lengths_problem,
+    vocab_problem,
+)
+from longdoc.hf.modelinfo import UnsupportedFeatureError, check_config, hf_model, model_name, refuse
 from longdoc.parallel import comm
-from longdoc.parallel import layout as layouts
 from longdoc.parallel.api import ContextParallel, check_strategy
-from longdoc.parallel.batch import CPInputError, documents_of
+from longdoc.parallel.batch import ROW_LENGTHS, CPInputError
 
+M = TypeVar("M", bound=torch.nn.Module)  # patch / unpatch hand back the model's own class
 __all__ = ["patch", "unpatch", "is_patched", "UnsupportedFeatureError", "CPInputError"]
 
 def _cp_loss(handle: CPHandle, logits: torch.Tensor, labels: torch.Tensor | None, vocab_size: int,
@@ -51,137 +60,44 @@ def _cp_loss(handle: CPHandle, logits: torch.Tensor, labels: torch.Tensor | None
     loss = F.cross_entropy(logits, target, ignore_index=ignore_index, reduction="sum")
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(loss.device)
-    return loss / num_items_in_batch
+    handle.ce_share = loss / num_items_in_batch
+    return handle.ce_share.clone()  # MoE models add their router loss to it in place (`loss += ...`)
 
 
 # ---- per-call checks (forward pre-hook) ----
 
-def _right_padded(mask: torch.Tensor) -> bool:
-    """Every row is ones then zeros (or all ones / all zeros)."""
-    m = mask.to(torch.int8)
-    return bool((m[:, 1:] <= m[:, :-1]).all()) if m.shape[1] > 1 else True
-
-
-class _Input(tuple):
-    """A (what, fix) problem with the call's inputs rather than with a model feature."""
-
-    def __new__(cls, what: str, fix: str):
-        return super().__new__(cls, (what, fix))
-
-
 def _raise(handle: CPHandle, problem: tuple[str, str]):
-    if isinstance(problem, _Input):
+    if isinstance(problem, InputProblem):
         raise CPInputError(f"longdoc.patch: {handle.model_name} was called with {problem[0]} under context "
                            f"parallelism; {problem[1]}")
     raise refuse(handle.model_name, *problem)
 
 
-_PADDING_FIX = ("build the local batch with cp.shard_batch: it turns left padding into right padding (which "
-                "needs no mask) and passes no attention_mask on")
-
-
-def _call_problem(handle: CPHandle, call: dict) -> tuple[str, str] | None:
-    cp = handle.cp
-    x = call.get("input_ids")
-    x = call.get("inputs_embeds") if x is None else x
-    if x is None or x.dim() < 2:
-        return None  # the model itself raises its own clear error
-    cache = call.get("cache", call.get("past_key_values"))
-    if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
-        return ("a filled KV cache", "a plain forward under CP runs without one (use_cache=False); to decode, "
-                "call longdoc.hf.generate(model, cp, input_ids, max_new_tokens) or model.generate, which routes "
-                "there")
-    local_len = x.shape[1]
-    global_len = local_len * cp.size
-    pos = call.get("position_ids")
-    if pos is None:
-        return _Input("no position_ids", "under CP every rank must pass the GLOBAL positions of its tokens "
-                "(cp.shard_batch provides them); without them RoPE would see local positions")
-    cu = call.get("cu_seq_lens_q")
-    if cu is not None:
-        if call.get("cu_seq_lens_k") is not None and not torch.equal(call["cu_seq_lens_k"], cu):
-            return _Input("cu_seq_lens_k different from cu_seq_lens_q", "pass the batch cp.shard_batch made")
-        try:
-            docs = documents_of(cu, x.shape[0], global_len)
-            for d in docs:
-                d.check(cp.size)
-        except ValueError as e:
-            return _Input("cu_seq_lens_q that are not the global document boundaries of this batch",
-                          f"pass the packed batch cp.shard_batch made ({e})")
-        expected = torch.stack([cp.shard(d.position_ids(pos.device), dim=0, documents=d) for d in docs])
-        if pos.shape != expected.shape or not bool((pos == expected).all()):
-            return _Input("position_ids that are not this rank's positions within its packed documents",
-                          "pass the position_ids made by cp.shard_batch for the packed batch")
-        handle.documents, handle.documents_from = tuple(docs), cu
-    else:
-        chunks = len(layouts.chunk_ids(cp.layout, 0, cp.size))
-        if local_len % chunks:
-            return _Input(f"a local sequence of {local_len} tokens", f"the {cp.layout} layout holds {chunks} equal "
-                          f"chunks per rank; build the local batch with cp.shard_batch, which pads")
-        # Each row: this rank's global positions plus one offset >= 0 (a row numbered from another start,
-        # such as a left-padded row that cp.shard_batch rolled to the right, every token keeping its id).
-        bad = _Input("position_ids that are not this rank's global positions",
-                     "pass the position_ids made by cp.shard_batch (it handles packed rows and left padding)")
-        if pos.shape[-1] != local_len:
-            return bad
-        offset = pos - cp.positions(global_len, device=pos.device)
-        if not bool((offset == offset[..., :1]).all()) or bool((offset < 0).any()):
-            return bad
-        if offset.numel():
-            global_len += int(offset.max())  # the largest position id + 1, for the RoPE threshold below
-    if call.get("labels") is not None and call.get("shift_labels") is None:
-        return _Input("labels without shift_labels", "labels must be shifted over the FULL sequence before sharding; "
-                "build the batch with cp.shard_batch (it passes shift_labels and num_items_in_batch)")
-    if call.get("shift_labels") is not None and call.get("num_items_in_batch") is None:
-        return _Input("shift_labels without num_items_in_batch", "pass the global number of loss tokens "
-                "(cp.shard_batch does) so that the per-rank losses sum to the mean")
-    if call.get("output_router_logits"):
-        return ("the MoE router auxiliary loss (output_router_logits=True)",
-                "it is a non-linear function of whole-sequence router statistics; call without it")
-    limit = rope_limit(handle.config)
-    if limit is not None and global_len > limit[1]:
-        return (f"RoPE scaling {limit[0]!r} at {global_len} tokens (beyond its {limit[1]}-token threshold)",
-                "this scaling picks frequencies from the largest position id each rank sees, which differs "
-                "per rank; use sequences within the threshold or a static RoPE scaling (linear, yarn, llama3)")
-    mask = call.get("attention_mask")
-    if mask is not None and mask.dim() != 2:
-        return (f"a custom {mask.dim()}-D attention mask", "pass a 2-D right-padding mask, or none")
-    return None
-
-
-def _vocab_problem(module, call: dict) -> _Input | None:
-    # An id past the embedding is an IndexError deep in torch on CPU and a device-side assert on GPU;
-    # a negative one would silently index from the end. Checked here, it is one clear error on every rank.
-    ids = call.get("input_ids")
-    emb = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
-    n = getattr(emb, "num_embeddings", None)
-    if ids is None or n is None or ids.numel() == 0 or ids.is_floating_point():
-        return None
-    low, high = int(ids.min()), int(ids.max())
-    if low < 0 or high >= n:
-        return _Input(f"token ids spanning [{low}, {high}] (its embedding has {n} rows, ids 0..{n - 1})",
-                      "the ids come from another tokenizer or from a bad padding id; tokenize with this model's "
-                      "tokenizer (len(tokenizer) must not exceed the embedding; see model.resize_token_embeddings)")
-    return None
-
-
 def _pre_forward(handle: CPHandle, signature: inspect.Signature, module, args, kwargs):
+    lengths = kwargs.pop(ROW_LENGTHS, None)  # cp.shard_batch's real row lengths: for longdoc, never the model
     if handle.session is not None:
-        return None  # a KVSession's own call: it checked its inputs (or the caller ran a plain reference)
+        return args, kwargs  # a KVSession's own call: it checked its inputs (or the caller ran a plain reference)
     cp = handle.cp
     if cp is None:
         backend.handle_of(module)  # raises: unpickled or unpatched model
     handle.attention_calls = 0
     handle.loss_calls = 0
+    handle.kind_calls = {}
     handle.documents = handle.documents_from = None
+    handle.row_lengths = None
     call = signature.bind_partial(*args, **kwargs).arguments
     call = {**call.pop("kwargs", {}), **call}
-    problem = _call_problem(handle, call) or _vocab_problem(module, call)
+    x = call.get("input_ids", call.get("inputs_embeds"))
+    global_len = x.shape[1] * cp.size if x is not None and x.dim() >= 2 else 0
+    handle.local_len = x.shape[1] if x is not None and x.dim() >= 2 else 0
+    problem = call_problem(handle, call) or vocab_problem(module, call) or \
+        row_lengths_problem(lengths, call, global_len)
     mask = call.get("attention_mask")
     has_pad = mask is not None and mask.dim() == 2 and not bool(mask.all())
     if cp.size > 1 and cp.check_agreement:
         # One tiny collective per call so every rank raises the same error instead of some hanging.
-        metas = comm.agree([problem is not None, has_pad], cp.group, cp.timeout, cp.comm_device(module.device))
+        metas = comm.agree([problem is not None, has_pad], cp.group, cp.timeout, cp.comm_device(module.device),
+                           cp.guard, "agree forward call")
         bad = [r for r, m in enumerate(metas) if m[0]]
         if problem is None and bad:
             raise RuntimeError(f"longdoc.patch: CP rank {bad[0]} rejected this call's inputs to "
@@ -203,19 +119,29 @@ def _pre_forward(handle: CPHandle, signature: inspect.Signature, module, args, k
         else:
             raise refuse(handle.model_name, "an attention_mask with padding under check_agreement=False",
                          "drop the mask: cp.shard_batch pads on the right and needs none")
-        if not _right_padded(full):
-            raise refuse(handle.model_name, "left padding or holes in attention_mask", _PADDING_FIX)
-    return None
+        if not right_padded(full):
+            raise refuse(handle.model_name, "left padding or holes in attention_mask", PADDING_FIX)
+    handle.row_lengths = lengths
+    return args, kwargs
 
 
-def _post_forward(handle: CPHandle, n_layers: int, module, args, kwargs, output):
+def _post_forward(handle: CPHandle, n_layers: int, expected: dict[str, int], module, args, kwargs, output):
     if handle.session is not None:
         return None  # the session checks its own calls
     backend.check_all_layers(handle, n_layers)
+    kinds.check_calls(handle, expected)
     loss = getattr(output, "loss", None)
     if loss is not None and handle.loss_calls == 0:
         raise RuntimeError(f"longdoc.patch: {handle.model_name} computed its loss without model.loss_function, "
                            f"so the CP loss share was bypassed; compute the loss from local logits yourself")
+    if getattr(output, "aux_loss", None) is not None and getattr(output, "router_logits", None):
+        # transformers summed this rank's router statistics only; the loss share takes the whole sequence's
+        hf = modelinfo.hf_model(module)
+        aux = router.global_aux(hf, handle, tuple(output.router_logits), handle.local_len)
+        output.aux_loss = aux
+        if loss is not None:
+            output.loss = handle.ce_share + router.coefficient(hf) * aux.to(loss.device) / handle.cp.size
+        return output
     return None
 
 
@@ -264,61 +190,76 @@ def _generate(handle: CPHandle, hf, *args, **kwargs) -> torch.Tensor:
     if cp.size > 1 and cp.check_agreement:
         device = call["input_ids"].device if torch.is_tensor(call.get("input_ids")) else torch.device("cpu")
         bad = [r for r, m in enumerate(comm.agree([problem is not None], cp.group, cp.timeout,
-                                                    cp.comm_device(device))) if m[0]]
+                                                    cp.comm_device(device), cp.guard, "agree generate call"))
+               if m[0]]
         if problem is None and bad:
             problem = f"arguments CP rank {bad[0]} cannot run (its error says which)"
     if problem is not None:
         raise CPInputError(f"longdoc.patch: model.generate on {handle.model_name} under context parallelism got "
                            f"{problem}; it supports {', '.join(_GENERATE_ARGS)} (attention_mask with left "
                            f"padding, the same prompt on every rank). For anything else call {GENERATE_CALL}")
-    config = hf.generation_config
-
-    def pick(name: str):
-        value = call.get(name)
-        return getattr(config, name, None) if value is None else value
-
-    ids, sample = call["input_ids"], bool(pick("do_sample"))
-    eos, pad = pick("eos_token_id"), pick("pad_token_id")
-    out = sessions.generate(hf, cp, ids, int(pick("max_new_tokens")), eos_token_id=eos, do_sample=sample,
-                            temperature=(pick("temperature") or 1.0) if sample else 1.0,
-                            top_p=(pick("top_p") or 1.0) if sample else 1.0,
-                            top_k=(pick("top_k") or None) if sample else None, strategy=handle.strategy,
-                            attention_mask=call.get("attention_mask"))
+    # None arguments take the model's generation_config (eos, pad, sampling, max_new_tokens) inside generate
+    ids = call["input_ids"]
+    out = sessions.generate(hf, cp, ids, call.get("max_new_tokens"), eos_token_id=call.get("eos_token_id"),
+                            pad_token_id=call.get("pad_token_id"), do_sample=call.get("do_sample"),
+                            temperature=call.get("temperature"), top_p=call.get("top_p"), top_k=call.get("top_k"),
+                            strategy=handle.strategy, attention_mask=call.get("attention_mask"))
     tokens = out.tokens.to(ids.device)
-    if eos is not None and pad is not None:
-        # transformers fills a finished row with pad_token_id after its EOS (the session repeats the EOS)
-        is_eos = torch.isin(tokens, torch.as_tensor(eos, device=tokens.device).reshape(-1))
-        tokens = tokens.masked_fill(is_eos.cumsum(dim=1) - is_eos.long() > 0, int(pad))
     return torch.cat([ids, tokens], dim=1)
 
 
-def patch(model: torch.nn.Module, cp: ContextParallel, *, strategy: str = "ring") -> torch.nn.Module:
+def patch(model: M, cp: ContextParallel, *, strategy: str = "ring") -> M:
     """Make `model` (a transformers causal LM, or a wrapper such as PEFT holding one) run its attention
     as exact context-parallel attention over `cp`. Returns the same model object, patched in place.
 
-    strategy: "ring" (K/V rotate, O(local) memory) or "allgather" (K/V gathered per layer).
+    strategy: "ring" (K/V rotate, O(local) memory), "allgather" (K/V gathered per layer), "ulysses" (heads
+        all-to-all; q_heads >= cp.size) or "usp" (Ulysses x ring; cp built with ulysses_size=).
     Raises UnsupportedFeatureError for features CP cannot reproduce exactly.
+
+    With DDP/FSDP on the same ranks, keep the collectives in order by construction (issue 22; the reasons
+    are in longdoc.parallel.groups): give `cp` a group of its own, never the one gradients are reduced on
+    (`ContextParallel()` means the world group, DDP's default: pass `dist.new_group(ranks)` or the cp group
+    of `longdoc.parallel.groups.make_groups`); and let every trainable parameter get a gradient on every
+    rank in every backward (this model's own loss does: it computes every local token's logits; a custom
+    loss that skips the head on a rank without loss tokens must keep it in the graph with a zero-weighted
+    term) or wrap with find_unused_parameters=True. `reduce_gradients_on(ddp_model, group)` moves DDP's
+    buckets onto a group of their own too; `ContextParallel(..., debug_collectives=True)` checks every CP
+    collective across the group before it is issued.
     """
     if not isinstance(cp, ContextParallel):
         raise TypeError(f"cp must be a longdoc.ContextParallel, got {type(cp).__name__}")
-    check_strategy(strategy)
+    check_strategy(strategy, cp)
     hf = hf_model(model)
     if is_patched(hf):
         unpatch(hf)
     name = model_name(hf)
-    check_config(hf.config, name)
-    original = hf.config._attn_implementation
-    backend.set_implementation(hf, backend.NAME)
+    check_config(hf.config, name, kinds.layer_types(hf))
     handle = CPHandle(cp, strategy, name, hf.config)
+    handle.router_problem = router.problem(hf)
+    own_loss = modelinfo.own_loss_problem(hf)
+    if own_loss is not None:
+        raise refuse(name, *own_loss)
+    if handle.router_problem is not None and any(getattr(c, "output_router_logits", False)
+                                                 for c in (hf.config, hf.config.get_text_config())):
+        raise refuse(name, *handle.router_problem)
+    problem = kinds.problems(hf, handle)  # layers other than attention: handled by a kind, or refused by name
+    if problem is not None:
+        raise refuse(name, *problem)
+    n_layers = kinds.attention_layers(hf.config, modelinfo.num_layers(hf.config), hf)
+    # A model whose every layer is a kind's (RWKV, xLSTM, pure SSMs) may have no attention interface to switch.
+    original = hf.config._attn_implementation if n_layers or type(hf)._can_set_attn_implementation() else None
+    if original is not None:
+        backend.set_implementation(hf, backend.NAME)
     backend.attach(hf, handle)
+    kinds.attach(hf, handle)
     had_loss = "_loss_function" in hf.__dict__
     old_loss = hf.__dict__.get("_loss_function")
     hf.loss_function = functools.partial(_cp_loss, handle)
     hf.generate = functools.partial(_generate, handle, hf)  # model.generate decodes through the CP session
-    n_layers = modelinfo.num_layers(hf.config)
     hf.register_forward_pre_hook(functools.partial(_pre_forward, handle, inspect.signature(hf.forward)),
                                  with_kwargs=True)
-    hf.register_forward_hook(functools.partial(_post_forward, handle, n_layers), with_kwargs=True)
+    hf.register_forward_hook(functools.partial(_post_forward, handle, n_layers, kinds.expected_calls(hf)),
+                             with_kwargs=True)
     handle.restore = (original, had_loss, old_loss)
     return model
 
@@ -328,7 +269,7 @@ def is_patched(model: torch.nn.Module) -> bool:
     return handle is not None and handle.patched
 
 
-def unpatch(model: torch.nn.Module) -> torch.nn.Module:
+def unpatch(model: M) -> M:
     """Undo `patch`: restore the previous attention implementation and loss, remove hooks and handles."""
     hf = hf_model(model)
     handle = getattr(hf, "_longdoc_cp", None)
@@ -341,6 +282,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
             hooks.pop(key)
             hf._forward_hooks_with_kwargs.pop(key, None)
             hf._forward_pre_hooks_with_kwargs.pop(key, None)
+    kinds.detach(hf)
     backend.attach(hf, None)
     if getattr(hf.__dict__.get("generate"), "func", None) is _generate:
         del hf.__dict__["generate"]
@@ -348,5 +290,6 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
         hf._loss_function = old_loss
     else:
         hf.__dict__.pop("_loss_function", None)
-    backend.set_implementation(hf, original)
+    if original is not None:
+        backend.set_implementation(hf, original)
     return model

@@ -3,6 +3,7 @@
     local = prefill(model, cp, batch)                          # (batch, local_len, vocab), this rank's tokens
     at = prefill(model, cp, batch, positions=[n - 1])          # (batch, 1, vocab) on every rank
     lp = span_logprobs(model, cp, batch, start, end)           # (batch, end - start): log p(answer tokens)
+    lp, greedy = target_scores(model, cp, batch, positions, targets)  # and whether each target is the argmax
 
 Chosen positions never need the whole (length x vocab) tensor anywhere: each rank runs the LM head
 only on the requested positions it holds (transformers' `logits_to_keep`), and one all-reduce of
@@ -16,14 +17,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from longdoc.hf.modelinfo import hf_model
 from longdoc.parallel import comm
 from longdoc.parallel.api import ContextParallel
 from longdoc.parallel.batch import shard_batch, source_index
 
-__all__ = ["prefill", "gather_positions", "target_logprobs", "span_logprobs"]
+__all__ = ["prefill", "gather_positions", "target_logprobs", "target_scores", "span_logprobs"]
 
 
 def _check_patched(model: torch.nn.Module, cp: ContextParallel) -> None:
@@ -37,8 +37,7 @@ def _check_patched(model: torch.nn.Module, cp: ContextParallel) -> None:
 
 def _all_reduce(t: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
     if cp.size > 1:
-        work = dist.all_reduce(t, group=cp.group, async_op=True)
-        comm.Pending([work], cp.timeout, "prefill all-reduce").wait()
+        comm.all_reduce(t, cp.group, cp.timeout, cp.guard, "all_reduce prefill")
     return t
 
 
@@ -134,19 +133,30 @@ def target_logprobs(model: torch.nn.Module, cp: ContextParallel, batch: Mapping[
     """log p(targets[i, j] | tokens up to positions[i, j]) as a (batch, n) fp32 tensor on every rank.
 
     Only (batch, n) numbers travel: each rank takes the log-softmax of the rows it holds."""
+    return target_scores(model, cp, batch, positions, targets, pad_token_id=pad_token_id)[0]
+
+
+def target_scores(model: torch.nn.Module, cp: ContextParallel, batch: Mapping[str, Any],
+                  positions: Sequence[int] | torch.Tensor, targets: torch.Tensor, *,
+                  pad_token_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probabilities, is-argmax) of targets[i, j] after the tokens up to positions[i, j]: (batch, n) fp32
+    and bool tensors on every rank (lm-eval's loglikelihood and its is_greedy). Each rank scores the rows it
+    holds; one all-reduce of (batch, n, 2) numbers."""
     p, slot, logits = _owned_logits(model, cp, batch, positions, pad_token_id)
     targets = torch.as_tensor(targets, device=logits.device).long()
     if targets.dim() == 1:
         targets = targets.unsqueeze(0).expand(p.shape[0], -1)
     if targets.shape != p.shape:
         raise ValueError(f"targets must match positions {tuple(p.shape)}, got {tuple(targets.shape)}")
-    out = torch.zeros(p.shape, dtype=torch.float32, device=logits.device)
+    out = torch.zeros((*p.shape, 2), dtype=torch.float32, device=logits.device)  # (log p, 1 where argmax)
     rows, cols = torch.nonzero(slot >= 0, as_tuple=True)
     if rows.numel():
         rows_logits = logits[rows, slot[rows, cols]].float()  # (k, vocab)
-        lp = torch.log_softmax(rows_logits, dim=-1)
-        out[rows, cols] = lp.gather(1, targets[rows, cols].unsqueeze(1)).squeeze(1)
-    return _all_reduce(out, cp)
+        picked = targets[rows, cols]
+        out[rows, cols, 0] = torch.log_softmax(rows_logits, dim=-1).gather(1, picked.unsqueeze(1)).squeeze(1)
+        out[rows, cols, 1] = (rows_logits.argmax(dim=-1) == picked).float()
+    out = _all_reduce(out, cp)
+    return out[..., 0], out[..., 1] > 0.5
 
 
 def span_logprobs(model: torch.nn.Module, cp: ContextParallel, batch: Mapping[str, Any], start: int, end: int,

@@ -18,13 +18,14 @@ temporary handle and switches the attention implementation for the session, rest
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from longdoc.hf import attention as backend
-from longdoc.hf import modelinfo
-from longdoc.hf.decode import Sampler, ShardedCache
+from longdoc.hf import kinds, modelinfo
+from longdoc.hf.decode import Sampler, ShardedCache, cache_layers
 from longdoc.parallel import comm
 from longdoc.parallel import layout as layouts
 from longdoc.parallel.api import ContextParallel, check_strategy
@@ -37,7 +38,7 @@ __all__ = ["KVSession", "Generation", "generate"]
 class Generation:
     """Decoding output, identical on every rank."""
 
-    tokens: torch.Tensor  # (batch, new_tokens) generated ids; after an EOS a row repeats that EOS
+    tokens: torch.Tensor  # (batch, new_tokens) generated ids; after its EOS a row holds pad_token_id (transformers')
     logits: torch.Tensor | None = None  # (batch, new_tokens, vocab) fp32 logits that chose them, if asked
 
 
@@ -47,14 +48,25 @@ class KVSession:
     Use as a context manager: entering sets the session on the model's handle, leaving removes it.
     """
 
-    def __init__(self, model: torch.nn.Module, cp: ContextParallel, *, strategy: str = "ring"):
+    def __init__(self, model: torch.nn.Module, cp: ContextParallel, *, strategy: str = "ring") -> None:
         if not isinstance(cp, ContextParallel):
             raise TypeError(f"cp must be a longdoc.ContextParallel, got {type(cp).__name__}")
         self.model, self.cp, self.hf = model, cp, modelinfo.hf_model(model)
         self.name = modelinfo.model_name(self.hf)
-        modelinfo.check_config(self.hf.config, self.name)
-        self.state = backend.Session(cp, check_strategy(strategy))
-        self.cache = ShardedCache()
+        modelinfo.check_config(self.hf.config, self.name, kinds.layer_types(self.hf))
+        own = modelinfo.own_loss_problem(self.hf)
+        if own is not None and "position_ids" in own[0]:  # the loss does not matter here, the positions do
+            raise modelinfo.refuse(self.name, "positions taken from each call's token index (it accepts no "
+                                   "position_ids)", own[1])
+        undecoded = sorted({k.name for _, _, k in kinds.find(self.hf) if not k.decode})
+        if undecoded:
+            raise modelinfo.refuse(self.name, f"{', '.join(undecoded)} layers in a KV session (decoding)",
+                                   "these layers do not carry their state into CP decoding yet; score with a "
+                                   "plain forward of the patched model instead")
+        self.n_attention = kinds.attention_layers(self.hf.config, modelinfo.num_layers(self.hf.config), self.hf)
+        self.state = backend.Session(cp, check_strategy(strategy, cp))
+        self.cache = ShardedCache(cache_layers(self.hf.config, self.state))
+        self._snapshots: dict[int, list] = {}  # length -> recurrent states at a mark (models with recurrent layers)
         self.counts = [0] * cp.size  # cached tokens per rank: identical arithmetic on every rank
         self.length = 0  # global tokens so far
         self.batch = 0
@@ -73,8 +85,12 @@ class KVSession:
         if handle is None:
             self._restore = hf.config._attn_implementation
             handle = backend.CPHandle(self.cp, self.state.strategy, self.name, hf.config, patched=False)
+            problem = kinds.problems(hf, handle)
+            if problem is not None:
+                raise modelinfo.refuse(self.name, *problem)
             backend.set_implementation(hf, backend.NAME)
             backend.attach(hf, handle)
+            kinds.attach(hf, handle)
         handle.session = self.state
         self._handle = handle
         return self
@@ -84,6 +100,7 @@ class KVSession:
         handle.session = None
         self.state.mode = "idle"
         if self._restore is not None:
+            kinds.detach(self.hf)
             backend.attach(self.hf, None)
             backend.set_implementation(self.hf, self._restore)
             self._restore = None
@@ -92,10 +109,12 @@ class KVSession:
         if self._handle is None:
             raise RuntimeError("use KVSession as a context manager: `with KVSession(model, cp) as s: ...`")
         self._handle.attention_calls = 0
+        self._handle.kind_calls = {}
         with torch.no_grad():
             out = self.hf(input_ids=ids, position_ids=positions.unsqueeze(0).expand(ids.shape[0], -1),
                           cache=self.cache, use_cache=True, logits_to_keep=logits_to_keep)
-        backend.check_all_layers(self._handle, modelinfo.num_layers(self.hf.config))
+        backend.check_all_layers(self._handle, self.n_attention)
+        kinds.check_calls(self._handle, kinds.expected_calls(self.hf))
         return out.logits.float()
 
     # ---- prefill / extend ----
@@ -123,10 +142,12 @@ class KVSession:
         logits = self._forward(cp.shard(full, dim=1), positions, keep)[:, -1]
         self.cache.keep(torch.nonzero(positions < seq).flatten())  # drop the padding's K/V
         self.state.key_positions = positions[positions < seq]  # in cache order: windows mask by position
-        self.counts = [int((layouts.positions(padded, r, cp.size, cp.layout) < seq).sum()) for r in range(cp.size)]
+        every = [layouts.positions(padded, r, cp.size, cp.layout, device=ids.device) for r in range(cp.size)]
+        self.state.rank_positions = [p[p < seq] for p in every]
+        self.counts = [int(p.numel()) for p in self.state.rank_positions]
         self.length, self.batch = seq, ids.shape[0]
         if cp.size > 1:
-            logits = comm.all_gather(logits.contiguous(), cp.group, cp.timeout)[holder]
+            logits = comm.all_gather(logits.contiguous(), cp.group, cp.timeout, cp.guard, "all_gather logits")[holder]
         return logits
 
     def extend(self, input_ids: torch.Tensor, keep: int = 1) -> torch.Tensor:
@@ -152,12 +173,16 @@ class KVSession:
             self.cache.append = True
         if owner == self.cp.rank:
             self.state.key_positions = torch.cat([self.state.key_positions, positions])
+        self.state.rank_positions[owner] = torch.cat([self.state.rank_positions[owner], positions])
         self.counts[owner] += new
         self.length += new
         return logits
 
     def mark(self) -> tuple[int, ...]:
-        """The session's position, for `rollback` (e.g. after the shared document, before each question)."""
+        """The session's position, for `rollback` (e.g. after the shared document, before each question).
+        Recurrent layers' states are copied here (attention caches roll back by truncation)."""
+        if self.cache.recurrent:
+            self._snapshots[self.length] = self.cache.snapshot()
         return (self.length, *self.counts)
 
     def rollback(self, mark: tuple[int, ...]) -> None:
@@ -165,16 +190,26 @@ class KVSession:
         length, *counts = mark
         if length > self.length or any(c > now for c, now in zip(counts, self.counts)):
             raise ValueError(f"cannot roll back forward: mark {mark} is after the session's {self.mark()}")
+        if self.cache.recurrent and length != self.length:
+            if length not in self._snapshots:
+                raise ValueError(f"cannot roll back {self.name} to {mark}: its recurrent layers' state there was not "
+                                 f"kept (it is copied by mark(); take the mark again after the last rollback)")
+            self.cache.restore(self._snapshots[length])
+        self._snapshots = {n: s for n, s in self._snapshots.items() if n <= length}
         self.cache.truncate(counts[self.cp.rank])
         self.state.key_positions = self.state.key_positions[:counts[self.cp.rank]]
+        self.state.rank_positions = [p[:c] for p, c in zip(self.state.rank_positions, counts)]
         self.length, self.counts = length, list(counts)
 
     # ---- decoding ----
 
     def decode(self, logits: torch.Tensor, max_new_tokens: int, eos_token_id: int | list[int] | None = None,
-               sampler: Sampler | None = None, seed: int | None = None, return_logits: bool = False) -> Generation:
+               sampler: Sampler | None = None, seed: int | None = None, return_logits: bool = False,
+               stop: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Generation:
         """Decode from `logits` (batch, vocab), the logits after the last token so far: greedy, or sampled
-        with `sampler` from a generator seeded with `seed` (None: torch's global generator, on rank 0)."""
+        with `sampler` from a generator seeded with `seed` (None: torch's global generator, on rank 0).
+        `stop(tokens)`, given the (batch, steps) tokens so far, returns a (batch,) bool tensor of rows that are
+        done (e.g. a stop string appeared); the tokens are the same on every rank, so must its answer be."""
         _check_max_new_tokens(max_new_tokens)
         sampler = sampler or Sampler()
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
@@ -190,6 +225,8 @@ class KVSession:
             if return_logits:
                 seen.append(logits)
             finished |= torch.isin(nxt, eos)
+            if stop is not None:
+                finished |= stop(torch.stack(tokens, dim=1)).to(finished.device)
             last = nxt
             if bool(finished.all()) or step == max_new_tokens - 1:
                 break
@@ -206,14 +243,15 @@ class KVSession:
         # unseeded draw differs per rank): rank 0 decides, so the caches never diverge.
         if self.cp.size == 1:
             return token
-        return comm.all_gather(token.contiguous(), self.cp.group, self.cp.timeout)[0]
+        return comm.all_gather(token.contiguous(), self.cp.group, self.cp.timeout, self.cp.guard, "all_gather token")[0]
 
     def _agree(self, what: str, ids: torch.Tensor) -> None:
         """Before any collective of a call: all ranks pass the same ids at the same point, or all raise."""
         if self.cp.size == 1 or not self.cp.check_agreement:
             return
         mine = [*ids.shape, self.length, checksum(ids)]
-        metas = comm.agree(mine, self.cp.group, self.cp.timeout, self.cp.comm_device(ids.device))
+        metas = comm.agree(mine, self.cp.group, self.cp.timeout, self.cp.comm_device(ids.device), self.cp.guard,
+                           f"agree {what}")
         if any(m[:-1] != metas[0][:-1] for m in metas):
             detail = "; ".join(f"rank {r}: ids {tuple(m[:-2])} after {m[-2]} tokens" for r, m in enumerate(metas))
             raise ValueError(f"KVSession.{what}: CP ranks disagree ({detail}); every rank must make the same calls "
@@ -249,38 +287,76 @@ def left_padding(attention_mask: torch.Tensor | None, shape: tuple[int, int]) ->
     return [int(n) for n in (m == 0).sum(dim=1)]
 
 
-def generate(model: torch.nn.Module, cp: ContextParallel, input_ids: torch.Tensor, max_new_tokens: int, *,
-             eos_token_id: int | list[int] | None = None, do_sample: bool = False, temperature: float = 1.0,
-             top_p: float = 1.0, top_k: int | None = None, seed: int | None = None, strategy: str = "ring",
-             return_logits: bool = False, attention_mask: torch.Tensor | None = None) -> Generation:
+def generation_settings(model: torch.nn.Module, **given) -> dict:
+    """`given` with every None taken from the model's generation_config, as `model.generate` does: the EOS it
+    stops at, the pad id after it (the EOS when the config has none), do_sample, temperature, top_p, top_k and
+    max_new_tokens. Sampling knobs apply only when sampling; an explicit value always wins."""
+    config = getattr(modelinfo.hf_model(model), "generation_config", None)
+    out = {k: (getattr(config, k, None) if v is None else v) for k, v in given.items()}
+    if "pad_token_id" in out and out["pad_token_id"] is None:
+        eos = out.get("eos_token_id")
+        out["pad_token_id"] = eos if isinstance(eos, int) or eos is None else (list(eos) or [None])[0]
+    if not out.get("do_sample"):
+        out.update(do_sample=False, temperature=1.0, top_p=1.0, top_k=None)
+    else:
+        for key, default in (("temperature", 1.0), ("top_p", 1.0)):
+            out[key] = default if out.get(key) is None else out[key]
+        if given.get("top_k") is None and out.get("top_k") == 0:  # a config's top_k 0 means no top-k filter
+            out["top_k"] = None
+    return out
+
+
+def generate(model: torch.nn.Module, cp: ContextParallel, input_ids: torch.Tensor, max_new_tokens: int | None = None,
+             *, eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
+             do_sample: bool | None = None, temperature: float | None = None, top_p: float | None = None,
+             top_k: int | None = None, seed: int | None = None, strategy: str = "ring", return_logits: bool = False,
+             attention_mask: torch.Tensor | None = None) -> Generation:
     """Decode after a context-parallel prefill of `input_ids` (batch, len), the same prompt on every rank.
 
-    Greedy by default; do_sample=True samples (temperature, top-k, top-p, in transformers' order) from a
-    generator seeded with `seed` (None: torch's global generator). Rank 0's choice is every rank's, so the
-    result is identical on all ranks, and for one seed the same tokens at any cp size (up to rounding ties).
+    Every setting left None comes from the model's generation_config, as in `model.generate`: decoding stops at
+    its EOS (pass eos_token_id=[] to always decode max_new_tokens), a finished row holds pad_token_id after it,
+    and it samples only if the config says so. Greedy otherwise; do_sample=True samples (temperature, top-k,
+    top-p, in transformers' order) from a generator seeded with `seed` (None: torch's global generator). Rank 0's
+    choice is every rank's, so the result is identical on all ranks, and for one seed the same tokens at any cp
+    size (up to rounding ties).
     `attention_mask` (batch, len) with left padding: every prompt is decoded on its own without its pads
     (positions from 0, as transformers numbers a left-padded prompt), so pads see nothing and count nothing.
     Works on patched and unpatched models; the model is left as it was.
     """
-    _check_max_new_tokens(max_new_tokens)  # before the prefill's compute
-    sampler = Sampler(do_sample, float(temperature), float(top_p), top_k)
+    opts = generation_settings(model, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                               pad_token_id=pad_token_id, do_sample=do_sample, temperature=temperature, top_p=top_p,
+                               top_k=top_k)
+    if opts["max_new_tokens"] is None:
+        raise ValueError("generate: pass max_new_tokens (the model's generation_config sets none)")
+    _check_max_new_tokens(opts["max_new_tokens"])  # before the prefill's compute
+    sampler = Sampler(opts["do_sample"], float(opts["temperature"]), float(opts["top_p"]), opts["top_k"])
+    eos, steps = opts["eos_token_id"], int(opts["max_new_tokens"])
     ids = torch.as_tensor(input_ids)
     ids = ids if ids.dim() == 2 else ids.unsqueeze(0)
     lead = left_padding(attention_mask, tuple(ids.shape))
     if lead is None:
         with KVSession(model, cp, strategy=strategy) as session:
             logits = session.prefill(ids)
-            return session.decode(logits, max_new_tokens, eos_token_id, sampler, seed, return_logits)
+            return _padded(session.decode(logits, steps, eos, sampler, seed, return_logits), eos, opts["pad_token_id"])
     rows = []
     for r, n in enumerate(lead):  # one session per prompt: rows of different lengths share no cache layout
         with KVSession(model, cp, strategy=strategy) as session:
             logits = session.prefill(ids[r:r + 1, n:])
-            rows.append(session.decode(logits, max_new_tokens, eos_token_id, sampler,
-                                       None if seed is None else seed + r, return_logits))
+            rows.append(session.decode(logits, steps, eos, sampler, None if seed is None else seed + r, return_logits))
     width = max(g.tokens.shape[1] for g in rows)
 
     def widen(t: torch.Tensor) -> torch.Tensor:  # a row that stopped early repeats its last (EOS) step
         return torch.cat([t, t[:, -1:].expand(-1, width - t.shape[1], *t.shape[2:])], dim=1)
 
-    return Generation(torch.cat([widen(g.tokens) for g in rows]),
-                      torch.cat([widen(g.logits) for g in rows]) if return_logits else None)
+    return _padded(Generation(torch.cat([widen(g.tokens) for g in rows]),
+                              torch.cat([widen(g.logits) for g in rows]) if return_logits else None),
+                   eos, opts["pad_token_id"])
+
+
+def _padded(gen: Generation, eos, pad) -> Generation:
+    """After a row's first EOS, pad_token_id, as transformers fills finished rows (the session repeats the EOS)."""
+    if eos is None or pad is None or (not isinstance(eos, int) and not list(eos)):
+        return gen
+    tokens = gen.tokens
+    is_eos = torch.isin(tokens, torch.as_tensor(eos, device=tokens.device).reshape(-1))
+    return Generation(tokens.masked_fill(is_eos.cumsum(dim=1) - is_eos.long() > 0, int(pad)), gen.logits)

@@ -18,6 +18,10 @@ What the Trainer does differently under CP, and why each piece keeps the run equ
     those of one process on the same global batch.
   - Evaluation: each batch's loss is the full-batch mean (shares summed over the CP group); metrics are
     gathered once per CP group, so eval_loss equals one process.
+  - Process groups: one per stream (longdoc.parallel.groups): CP traffic on its own group, DDP's gradient
+    buckets moved by a comm hook onto a group of their own, the replicas' token count on the dp group; the
+    world group stays to Trainer/Accelerate. `cp_debug_collectives=True` (or LONGDOC_DEBUG_COLLECTIVES=1)
+    checks every collective CPTrainer issues across its group first (longdoc.parallel.guard).
 """
 
 from __future__ import annotations
@@ -30,8 +34,11 @@ import torch.distributed as dist
 from transformers import Trainer
 
 from longdoc.hf.patch import patch
+from longdoc.parallel import comm
 from longdoc.parallel.api import ContextParallel, check_strategy
 from longdoc.parallel.batch import count_loss_tokens, shard_batch, source_index
+from longdoc.parallel.groups import Groups, make_groups, reduce_gradients_on
+from longdoc.parallel.guard import GradCoverage, debug_collectives_from_env
 from longdoc.parallel.layout import check_layout
 
 __all__ = ["CPTrainer", "CPTrainerMixin", "cp_mesh"]
@@ -47,6 +54,19 @@ def _launched_world_size() -> int:
     from longdoc.launch import launched_world
 
     return launched_world().world_size
+
+
+def check_ulysses_size(strategy: str, ulysses_size: int | None, cp_size: int) -> None:
+    """cp_ulysses_size goes with cp_strategy="usp" and divides cp_size (checked before anything joins)."""
+    divisors = [d for d in range(1, cp_size + 1) if cp_size % d == 0]
+    if strategy == "usp" and ulysses_size is None:
+        raise ValueError(f"CPTrainer: cp_strategy='usp' factors cp_size={cp_size} as ring x Ulysses; pass "
+                         f"cp_ulysses_size, one of {divisors}")
+    if ulysses_size is not None and strategy != "usp":
+        raise ValueError(f"CPTrainer: cp_ulysses_size only applies to cp_strategy='usp' (got {strategy!r})")
+    if ulysses_size is not None and ulysses_size not in divisors:
+        raise ValueError(f"CPTrainer: cp_ulysses_size must be a divisor of cp_size={cp_size} ({divisors}), got "
+                         f"{ulysses_size!r}")
 
 
 def check_cp_size(cp_size: int, world_size: int) -> int:
@@ -75,22 +95,18 @@ def _check_joined(training_args) -> None:
             f"the ranks form one gloo group (otherwise each would train alone, without context parallelism)")
 
 
+def _groups(cp_size: int, device_type: str, timeout: datetime.timedelta | None = None, debug: bool = False,
+            fsdp: bool = False) -> Groups:
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return make_groups(world // cp_size, cp_size, device_type, timeout, debug_collectives=debug, fsdp=fsdp)
+
+
 def cp_mesh(cp_size: int, device_type: str, timeout: datetime.timedelta | None = None):
     """(mesh, cp_group, dp_group) for the initialized world: a DeviceMesh with axes ("dp", "cp"), CP groups
-    made of consecutive ranks. (None, None, None) on one process."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return None, None, None
-    from torch.distributed.device_mesh import init_device_mesh
-
-    world = dist.get_world_size()
-    mesh = init_device_mesh(device_type, (world // cp_size, cp_size), mesh_dim_names=("dp", "cp"))
-    cp_group, dp_group = mesh["cp"].get_group(), mesh["dp"].get_group()
-    kwargs = {"timeout": timeout} if timeout is not None else {}
-    if cp_group is dist.group.WORLD:
-        # DDP reduces gradients on the world group; the ring gets its own group so that its point-to-point
-        # traffic never queues behind (or interleaves with) gradient reductions.
-        cp_group = dist.new_group(list(range(world)), **kwargs)
-    return mesh, cp_group, dp_group
+    made of consecutive ranks, each group used by no other stream (longdoc.parallel.groups). (None, None,
+    None) on one process."""
+    g = _groups(cp_size, device_type, timeout)
+    return g.mesh, g.cp, g.dp
 
 
 class CPTrainerMixin:
@@ -99,30 +115,45 @@ class CPTrainerMixin:
     Extra constructor arguments (everything else goes to the Trainer unchanged):
         cp_size: ranks per context-parallel group; it must divide the launched world size.
         cp_layout: "zigzag" (balanced causal work, default) or "contiguous".
-        cp_strategy: "ring" (default) or "allgather".
+        cp_strategy: "ring" (default), "allgather", "ulysses" or "usp" (longdoc.attention explains them).
+        cp_ulysses_size: with cp_strategy="usp", ranks per Ulysses group (a divisor of cp_size).
         cp_timeout: seconds any CP communication may wait (default: the process group's timeout).
+        cp_debug_collectives: check every collective CPTrainer issues (sequence number, op tag, bytes) across
+            its group first, and that every trainable parameter gets a gradient in every backward; None
+            (default) reads LONGDOC_DEBUG_COLLECTIVES.
     """
 
     def __init__(self, *args: Any, cp_size: int = 1, cp_layout: str = "zigzag", cp_strategy: str = "ring",
-                 cp_timeout: float | None = None, **kwargs: Any):
+                 cp_ulysses_size: int | None = None, cp_timeout: float | None = None,
+                 cp_debug_collectives: bool | None = None, **kwargs: Any) -> None:
         # Every check that can fail runs before the Trainer joins the process group: one error on every rank.
         self.cp_dp_size = check_cp_size(cp_size, _launched_world_size())
         check_layout(cp_layout)
         check_strategy(cp_strategy)
+        check_ulysses_size(cp_strategy, cp_ulysses_size, cp_size)
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         self._refuse_unsupported(training_args, kwargs)
         if training_args is not None:
             _check_joined(training_args)
         super().__init__(*args, **kwargs)
         _check_joined(self.args)
-        self.loss_is_scaled_for_ga = True  # compute_loss divides by the whole step's token count itself
+        self.loss_is_scaled_for_ga: bool | None = True  # compute_loss divides by the whole step's token count itself
         timeout = datetime.timedelta(seconds=cp_timeout) if cp_timeout is not None else None
-        self.cp_mesh, cp_group, self._dp_group = cp_mesh(cp_size, self.args.device.type, timeout)
-        self.cp = ContextParallel(cp_group, layout=cp_layout, timeout=timeout)
+        debug = debug_collectives_from_env() if cp_debug_collectives is None else bool(cp_debug_collectives)
+        self._cp_groups = _groups(cp_size, self.args.device.type, timeout, debug, fsdp=bool(self.is_fsdp_enabled))
+        self.cp_mesh, self._dp_group = self._cp_groups.mesh, self._cp_groups.dp
+        self.cp = ContextParallel(self._cp_groups.cp, layout=cp_layout, timeout=timeout, debug_collectives=debug,
+                                 ulysses_size=cp_ulysses_size)
+        self._cp_debug = debug
+        self._cp_wrapped = None  # the DDP model whose gradient buckets were moved to their own group
+        self._cp_coverage: GradCoverage | None = None
         self.cp_dp_rank = self.cp_mesh.get_local_rank("dp") if self.cp_mesh is not None else 0
         patch(self.model, self.cp, strategy=cp_strategy)
         pad = getattr(self.processing_class, "pad_token_id", None)
         self._cp_pad_id = int(pad) if isinstance(pad, int) and pad >= 0 else 0
+        # TRL's SFTTrainer logs entropy, mean_token_accuracy and num_tokens from its own compute_loss, which this
+        # class replaces: they are computed here instead, over the CP group (see _log_sft_metrics)
+        self._cp_sft = any(c.__name__ == "SFTTrainer" and c.__module__.startswith("trl.") for c in type(self).__mro__)
 
     @staticmethod
     def _refuse_unsupported(training_args, kwargs: dict) -> None:
@@ -200,8 +231,8 @@ class CPTrainerMixin:
         # (evaluation ignores the count: each batch's loss is its own mean, as on one process)
         if (self.args.average_tokens_across_devices and self._dp_group is not None and self.cp_dp_size > 1
                 and self.model.training):
-            n = n.clone()
-            dist.all_reduce(n, group=self._dp_group)
+            n = comm.all_reduce(n.clone(), self._dp_group, self.cp.timeout, self._cp_groups.guard("dp"),
+                                "all_reduce loss tokens")
         return n
 
     def _loss_scale(self) -> int:
@@ -224,11 +255,15 @@ class CPTrainerMixin:
         local = shard_batch(batch, self.cp, pad_token_id=self._cp_pad_id, num_items_in_batch=count)
         outputs = model(**local, use_cache=False)
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
+        if self._cp_sft:
+            self._log_sft_metrics(outputs.get("logits") if isinstance(outputs, dict) else None, local["shift_labels"],
+                                  inputs, training)
         if training:
             loss = loss * self._loss_scale()
         elif self.cp.size > 1:
-            loss = loss.detach().clone()
-            dist.all_reduce(loss, group=self.cp.group)  # the shares of one batch sum to its mean loss
+            # the shares of one batch sum to its mean loss
+            loss = comm.all_reduce(loss.detach().clone(), self.cp.group, self.cp.timeout, self.cp.guard,
+                                   "all_reduce eval loss")
         if not return_outputs:
             return loss
         logits = outputs.get("logits") if isinstance(outputs, dict) else None
@@ -242,6 +277,60 @@ class CPTrainerMixin:
             full[rows, where[rows, cols]] = gathered[rows, cols]
             outputs["logits"] = full
         return loss, outputs
+
+    def floating_point_ops(self, inputs: dict) -> int:
+        """Trainer sums every rank's count into total_flos, and every CP rank holds its group's full batch: only
+        CP rank 0 counts it, so total_flos is one process's (or plain DDP's over the replicas)."""
+        return super().floating_point_ops(inputs) if self.cp.rank == 0 else 0
+
+    @torch.no_grad()
+    def _log_sft_metrics(self, logits: torch.Tensor | None, shift_labels: torch.Tensor, inputs: dict,
+                         training: bool) -> None:
+        """TRL SFTTrainer's entropy, mean_token_accuracy and num_tokens, exactly as one process computes them over
+        the global micro-batch: this rank's sums over its tokens are summed over the CP group and the replicas;
+        num_tokens counts each replica's batch once (every CP rank of a group holds all of it)."""
+        if logits is None:
+            return
+        mask = shift_labels != -100
+        logp = torch.log_softmax(logits.float(), dim=-1)  # (batch, local_len, vocab)
+        entropy = -(logp.exp() * logp).sum(dim=-1)
+        correct = (logits.argmax(dim=-1) == shift_labels) & mask  # argmax: the first of tied maxima, as TRL's
+        sums = torch.stack([mask.sum(), entropy[mask].sum(), correct.sum()]).double()
+        if self.cp.size > 1:  # main thread, same point of every rank's step: the cp stream's order holds
+            sums = comm.all_reduce(sums, self.cp.group, self.cp.timeout, self.cp.guard, "all_reduce sft metrics")
+        if "attention_mask" in inputs:
+            tokens = inputs["attention_mask"].sum()
+        else:  # padding-free rows: TRL counts the row's positions
+            tokens = torch.tensor(inputs["position_ids"].shape[1])
+        sums = torch.cat([sums, tokens.to(sums).reshape(1)])
+        if self._dp_group is not None and self.cp_dp_size > 1:
+            state = self.accelerator.gradient_state
+            if not training and state.end_of_dataloader and 0 < state.remainder <= self.cp_dp_rank:
+                sums.zero_()  # a repeated sample that completes the last eval batch: TRL's gather_for_metrics drops it
+            sums = comm.all_reduce(sums, self._dp_group, self.cp.timeout, self._cp_groups.guard("dp"),
+                                   "all_reduce sft metrics")
+        valid, entropy_sum, num_correct, num_tokens = sums.tolist()
+        mode = "train" if training else "eval"
+        self._metrics[mode]["entropy"].append(entropy_sum / valid if valid > 0 else 0.0)
+        self._metrics[mode]["mean_token_accuracy"].append(num_correct / valid if valid > 0 else 0.0)
+        if training:
+            self._total_train_tokens += int(num_tokens)
+        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+
+    # ---- gradients: DDP's buckets on their own group ----
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if model is not self._cp_wrapped:  # the first step of a train() call: Trainer has wrapped it by now
+            self._cp_wrapped = model
+            reduce_gradients_on(model, self._cp_groups.grads, self._cp_groups.guard("grads"))
+            if self._cp_debug and self.cp_mesh is not None and not self.is_fsdp_enabled:
+                if self._cp_coverage is not None:
+                    self._cp_coverage.remove()
+                self._cp_coverage = GradCoverage(model.named_parameters())
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self._cp_coverage is not None:  # before this rank issues anything else
+            self._cp_coverage.check(f"CPTrainer step {self.state.global_step + 1}")
+        return loss
 
     # ---- evaluation: metrics once per CP group ----
 
@@ -271,4 +360,5 @@ class CPTrainerMixin:
 
 class CPTrainer(CPTrainerMixin, Trainer):
     """A drop-in transformers.Trainer with exact context parallelism: the same constructor plus `cp_size`
-    (and optionally cp_layout, cp_strategy, cp_timeout); see CPTrainerMixin and the module docstring."""
+    (and optionally cp_layout, cp_strategy, cp_ulysses_size, cp_timeout); see CPTrainerMixin and the module
+    docstring."""

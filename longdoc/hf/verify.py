@@ -2,13 +2,16 @@
 
     longdoc verify --model SmolLM2-135M-Instruct --cp 2 --seq-len 2048
     longdoc verify --model tiny:qwen3 --cp 4 --seq-len 1000 --dtype bfloat16 --strategy allgather
+    longdoc verify --model SmolLM2-135M-Instruct --cp 4 --seq-len 2048 --strategy usp --ulysses-size 2
     longdoc verify --model path/to/config.json --cp 2 --seq-len 4096        # random init from a config
 
 It spawns --cp gloo ranks on this machine's CPUs (or, started by `torchrun` / `accelerate launch
 --multi_gpu --num_processes N`, joins their group), runs the patched model on a random batch with
 cp.shard_batch, then (on rank 0 alone, with every core) the unpatched model on the full batch, and prints
 the largest errors of the logits, the loss (sum of the rank shares) and the gradients (summed over
-ranks), with a PASS/FAIL verdict against dtype-based tolerances; the exit status is 1 on FAIL. Models run in eval mode
+ranks), and which attention patterns the run exercised (sliding windows, chunks, soft-capping, sinks, padding),
+with a PASS/FAIL verdict against dtype-based tolerances: exit status 0 on PASS, 1 on FAIL, 2 on bad input (one
+line on stderr, the same with any --cp), 3 on an internal error (a bug). Models run in eval mode
 (no dropout), gradients still flow. For bfloat16/float16, both the CP run and the single-process run in
 that dtype are compared with a float64 reference: CP passes when it is no worse than 2x the
 single-process rounding error (plus a small floor).
@@ -22,7 +25,8 @@ import sys
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from longdoc import cliargs
+from longdoc import cliargs, zoo
+from longdoc.errors import EXIT_CODES
 from longdoc.parallel.api import STRATEGIES
 from longdoc.parallel.layout import LAYOUTS
 
@@ -67,13 +71,15 @@ class Spec:
     seed: int = 0
     timeout: float = 600.0
     text: str | None = None
+    ulysses_size: int | None = None  # strategy "usp": ranks per Ulysses group
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="check CP against a single-process run on your model (PASS/FAIL)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog=f"tiny:<arch> models: {zoo.describe()}.\n\n{EXIT_CODES}.")
     p.add_argument("--model", required=True,
-                   help="model name/folder/hub id, 'tiny:<arch>' or a config.json (random init)")
+                   help="model name/folder/hub id, 'tiny:<arch>' (listed below) or a config.json (random init)")
     p.add_argument("--cp", type=int, required=True, help="context-parallel ranks")
     p.add_argument("--seq-len", type=cliargs.length, required=True,
                    help="tokens per sequence (any length; e.g. 4096, 4k)")
@@ -81,6 +87,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
     p.add_argument("--layout", default="zigzag", choices=LAYOUTS)
     p.add_argument("--strategy", default="ring", choices=STRATEGIES)
+    p.add_argument("--ulysses-size", type=int, default=None,
+                   help="with --strategy usp: ranks per Ulysses group (a divisor of --cp; ring across the groups)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random tokens (and of random init)")
     p.add_argument("--text", default=None, metavar="FILE",
                    help="tokenize this text file (repeated to --seq-len) instead of using random tokens")
@@ -91,22 +99,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _main(args: argparse.Namespace) -> int:
     if args.cp < 1 or args.seq_len < 2 or args.batch_size < 1:
-        raise SystemExit("longdoc verify: need --cp >= 1, --seq-len >= 2 and --batch-size >= 1")
+        raise ValueError(f"need --cp >= 1, --seq-len >= 2 and --batch-size >= 1, got --cp {args.cp} --seq-len "
+                         f"{args.seq_len} --batch-size {args.batch_size}")
     if args.text is not None and not os.path.isfile(args.text):
-        raise SystemExit(f"longdoc verify: --text {args.text!r} is not a file")
+        raise FileNotFoundError(f"--text {args.text!r} is not a file")
+    if (args.strategy == "usp") != (args.ulysses_size is not None) or \
+            (args.ulysses_size is not None and (args.ulysses_size < 1 or args.cp % args.ulysses_size)):
+        raise ValueError(f"--strategy usp goes with --ulysses-size U, a divisor of --cp (and --ulysses-size with "
+                         f"--strategy usp only), got --strategy {args.strategy} --ulysses-size {args.ulysses_size} "
+                         f"--cp {args.cp}")
     spec = Spec(args.model, args.cp, args.seq_len, args.batch_size, args.dtype, args.layout, args.strategy,
-                args.seed, args.timeout, args.text)
+                args.seed, args.timeout, args.text, args.ulysses_size)
     from longdoc.launch import launched_world
 
     if (launch := launched_world()).launched:  # started by torchrun / accelerate launch
         return _main_launched(spec, launch.world_size)
+    from longdoc.errors import USER_ERRORS
     from longdoc.spawn import run_local
 
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.cp)
     print(f"longdoc verify: {args.model}, cp={args.cp} ({args.layout}, {args.strategy}), "
           f"{args.batch_size}x{args.seq_len} tokens, {args.dtype}, {threads} thread(s) per rank", flush=True)
     results = run_local(args.cp, _rank, spec, deadline=4 * args.timeout + 600, pg_timeout=args.timeout,
-                        threads=threads)
+                        threads=threads, input_errors=USER_ERRORS)
     return _report(spec, results[0])
 
 
@@ -114,8 +129,7 @@ def _main_launched(spec: Spec, world_size: int) -> int:
     from longdoc.launch import process_group
 
     if world_size != spec.cp:  # before joining: every rank stops with the same message, none waits
-        raise SystemExit(f"longdoc verify: --cp {spec.cp} but the launcher started {world_size} "
-                         f"processes; pass --cp {world_size}")
+        raise ValueError(f"--cp {spec.cp} but the launcher started {world_size} processes; pass --cp {world_size}")
     with process_group("gloo", timeout=spec.timeout) as world:
         result = _rank(world.rank, world.world_size, spec)
         return _report(spec, result) if world.is_main else 0
@@ -124,19 +138,13 @@ def _main_launched(spec: Spec, world_size: int) -> int:
 # ---- one rank ----
 
 def _load(spec: Spec, dtype):
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from longdoc import models
 
     if spec.model.startswith(models.TINY_PREFIX):
-        return models.tiny_model(spec.model[len(models.TINY_PREFIX):], seed=spec.seed, dtype=dtype)
+        return models.tiny_model(models.arch_of(spec.model), seed=spec.seed, dtype=dtype)
     if spec.model.endswith(".json") and os.path.isfile(spec.model):
-        config = models.load_config(spec.model)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(spec.seed)  # every rank must build the same random weights
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-        return model.to(dtype)
+        # every rank builds the same random weights from the seed
+        return models.from_config(models.load_config(spec.model), seed=spec.seed, dtype=dtype)
     return models.load(spec.model, dtype=dtype)[0]
 
 
@@ -195,10 +203,11 @@ def _rank(rank: int, world_size: int, spec: Spec) -> dict | None:
     model = _load(spec, dtype).eval()  # eval: no dropout anywhere; gradients still flow
     ids = _tokens(spec, model.get_input_embeddings().weight.shape[0])
     full = {"input_ids": ids, "labels": ids}
-    cp = ContextParallel(layout=spec.layout, timeout=spec.timeout)
+    cp = ContextParallel(layout=spec.layout, timeout=spec.timeout, ulysses_size=spec.ulysses_size)
 
     patch(model, cp, strategy=spec.strategy)
     logits, loss, grads = _step(model, cp.shard_batch(full))
+    seen = dict(model._longdoc_cp.patterns_seen)
     unpatch(model)
     loss = loss.double()
     if cp.size > 1:
@@ -227,7 +236,26 @@ def _rank(rank: int, world_size: int, spec: Spec) -> dict | None:
         result["cp_vs_fp64"] = _errors(logits, loss, grads, *hi)
         result["single_vs_fp64"] = _errors(ref_logits, ref_loss, ref_grads, *hi)
     result["loss"] = (loss.item(), ref_loss.item())
+    result["patterns"] = exercised(seen, layouts.round_up(spec.seq_len, cp.multiple) - spec.seq_len)
     return result
+
+
+def exercised(seen: dict, padding: int) -> list[str]:
+    """The attention patterns a CP forward computed, per kind with its layer count, from the patched model's
+    record (longdoc.hf.attention: layer -> LayerPattern.seen) and the internal padding of the row."""
+    n = len(seen)
+    counts: dict[str, int] = {}
+    for window, chunk, softcap, sinks, documents, _ in seen.values():
+        mask = f"sliding window {window}" if window else f"chunked attention {chunk}" if chunk else "full causal"
+        kinds = [mask, f"logit soft-capping {softcap:g}" if softcap else None, "attention sinks" if sinks else None,
+                 f"packed documents ({documents} per row)" if documents > 1 else None]
+        kinds = [k for k in kinds if k]
+        for k in kinds:
+            counts[k] = counts.get(k, 0) + 1
+    out = [f"{k} ({c} of {n} layers)" for k, c in counts.items()]
+    if padding:
+        out.append(f"padding ({padding} tokens, to the layout's multiple; never counted)")
+    return out
 
 
 # ---- verdict ----
@@ -252,6 +280,8 @@ def verdict(spec: Spec, result: dict) -> tuple[bool, list[tuple[str, float, floa
 def _report(spec: Spec, result: dict) -> int:
     passed, rows = verdict(spec, result)
     cp_loss, ref_loss = result["loss"]
+    if result.get("patterns"):
+        print(f"attention patterns exercised: {'; '.join(result['patterns'])}")
     print(f"\nloss: CP (sum of {spec.cp} shares) {cp_loss:.8f}   single process {ref_loss:.8f}")
     print(f"{'':28s}{'CP vs single':>15s}" + (f"{'CP vs fp64':>15s}{'single vs fp64':>16s}"
                                               if "cp_vs_fp64" in result else ""))

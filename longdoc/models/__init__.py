@@ -35,13 +35,24 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from longdoc.errors import ModelNotFoundError
 from longdoc.models.gguf import atomic_build, convert_gguf, default_cache_dir
-from longdoc.models.tiny import TINY_ARCHS, TINY_PREFIX, arch_of, tiny_config, tiny_model
+from longdoc.models.tiny import (
+    TINY_ARCHS,
+    TINY_HYBRIDS,
+    TINY_NAMES,
+    TINY_PATTERN_ARCHS,
+    TINY_PREFIX,
+    arch_of,
+    from_config,
+    tiny_config,
+    tiny_model,
+)
 
 __all__ = [
-    "DEFAULT_ALIASES", "DEFAULT_MODEL", "DEFAULT_TOKEN_IDS", "TINY_ARCHS", "TINY_PREFIX", "atomic_build",
-    "convert_gguf", "default_cache_dir", "load", "load_config", "load_tokenizer", "resolve", "tiny_config",
-    "tiny_model",
+    "DEFAULT_ALIASES", "DEFAULT_MODEL", "DEFAULT_TOKEN_IDS", "TINY_ARCHS", "TINY_HYBRIDS", "TINY_NAMES",
+    "TINY_PATTERN_ARCHS", "TINY_PREFIX", "atomic_build", "convert_gguf", "default_cache_dir", "from_config", "load",
+    "load_config", "load_tokenizer", "resolve", "tiny_config", "tiny_model",
 ]
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -64,7 +75,7 @@ def load(
     dtype: torch.dtype = torch.float32,
     cache_dir: str | None = None,
     trust_remote_code: bool = False,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str | None = None,
     **model_kwargs: Any,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load (model, tokenizer) from the default name, "tiny:<arch>", a folder, a .gguf file or a hub id.
@@ -72,6 +83,8 @@ def load(
     Weights come only from safetensors (or GGUF, converted once into `cache_dir`). For
     "tiny:<arch>", `model_kwargs` are config overrides (plus `seed`); otherwise they go to
     `from_pretrained` (e.g. `device_map`). `cache_dir` holds longdoc's conversions, not the hub cache.
+    `attn_implementation` None picks what the model class accepts (sdpa where supported, else eager), as
+    transformers does; longdoc.patch replaces it anyway.
     """
     if name_or_path.startswith(TINY_PREFIX):
         arch, seed = arch_of(name_or_path), model_kwargs.pop("seed", 0)
@@ -112,12 +125,21 @@ def load_config(
     if name_or_path.startswith(TINY_PREFIX):
         return tiny_config(arch_of(name_or_path), **DEFAULT_TOKEN_IDS)
     if name_or_path.endswith(".json") and os.path.isfile(name_or_path):
-        with open(name_or_path) as f:
-            fields = json.load(f)
-        model_type = fields.pop("model_type", None)
+        from transformers import CONFIG_MAPPING
+
+        try:
+            with open(name_or_path) as f:
+                model_type = json.load(f).get("model_type")
+        except (ValueError, AttributeError) as e:
+            raise ValueError(f"{name_or_path} is not a JSON object ({e}); pass a model's config.json") from None
         if model_type is None:
             raise ValueError(f"{name_or_path} has no 'model_type' key; it does not look like a model config.json")
-        return AutoConfig.for_model(model_type, **fields)
+        if model_type not in CONFIG_MAPPING:
+            raise ValueError(f"{name_or_path}: model_type {model_type!r} is not a transformers architecture "
+                             f"(this transformers knows {len(CONFIG_MAPPING)}; custom code needs a model folder "
+                             f"and model.trust_remote_code)")
+        # the config class's own reader: it decodes what to_json_file encodes (e.g. infinities)
+        return CONFIG_MAPPING[model_type].from_json_file(name_or_path)
     path = resolve(name_or_path, cache_dir)
     with _hub_errors(path):
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -201,8 +223,8 @@ def _hub_errors(name: str) -> Iterator[None]:
             why = "offline mode is on (HF_HUB_OFFLINE=1) and it is not in the local hub cache"
         else:
             why = "the hub is unreachable, or it has no such repo with safetensors weights"
-        raise OSError(
+        raise ModelNotFoundError(
             f"cannot load {name!r} from the Hugging Face hub: {why}. Without a hub, use the offline "
             f"default {DEFAULT_MODEL!r}, a local folder (config.json + *.safetensors + tokenizer), a .gguf "
-            f"file, or 'tiny:<arch>' ({', '.join(TINY_ARCHS)}). Original error: {err}"
+            f"file, or 'tiny:<arch>' ({', '.join(TINY_NAMES)}). Original error: {err}"
         ) from err

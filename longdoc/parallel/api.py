@@ -1,30 +1,58 @@
-"""Public context-parallel API: `ContextParallel` (group + layout) and `attention(...)`."""
+"""Public context-parallel API: `ContextParallel` (group + layout, optionally factored for usp) and `attention(...)`."""
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
-from collections.abc import Sequence
-from typing import Literal, NamedTuple, get_args
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from longdoc.parallel import batch as batches
 from longdoc.parallel import comm, kernels, patterns_meta
 from longdoc.parallel import layout as layouts
 from longdoc.parallel.allgather import allgather_attention
+from longdoc.parallel.guard import Guard
+from longdoc.parallel.inputs import STRATEGIES, Strategy, _describe, _Meta, _problem  # noqa: F401 - re-exported
 from longdoc.parallel.ring import ring_attention
-
-Strategy = Literal["ring", "allgather"]
-STRATEGIES: tuple[str, ...] = get_args(Strategy)
+from longdoc.parallel.ulysses import Grid, ulysses_attention
 
 
-def check_strategy(strategy: str) -> str:
-    """The one place a CP strategy name is validated."""
+def check_strategy(strategy: str, cp: ContextParallel | None = None) -> str:
+    """The one place a CP strategy name is validated (with `cp`: also that the group is set up for it)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))}, got {strategy!r}")
+    if cp is not None:
+        _ulysses_width(cp, strategy)
     return strategy
+
+
+def _check_ulysses_size(ulysses_size, size: int) -> int | None:
+    if ulysses_size is None:
+        return None
+    if isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int) or ulysses_size < 1 \
+            or size % ulysses_size:
+        divisors = [d for d in range(1, size + 1) if size % d == 0]
+        raise ValueError(f"ulysses_size must be a divisor of the CP group size {size} ({divisors}), got "
+                         f"{ulysses_size!r}; the group is factored as ring_size x ulysses_size")
+    return ulysses_size
+
+
+def _ulysses_width(cp, strategy: str) -> int:
+    """How many ranks split the heads for `strategy` (1 for the strategies that do not)."""
+    if strategy == "ulysses":
+        return cp.size
+    if strategy == "usp":
+        if cp.ulysses_size is None:
+            divisors = [d for d in range(1, cp.size + 1) if cp.size % d == 0]
+            raise ValueError(f"strategy='usp' factors the CP group as ring_size x ulysses_size; "
+                             f"create it with ContextParallel(group, ulysses_size=U), U one of {divisors} (recipes: "
+                             f"ulysses_size), or use strategy='ulysses' (U = the whole group) or 'ring'")
+        return cp.ulysses_size
+    return 1
 
 
 class ContextParallel:
@@ -39,10 +67,22 @@ class ContextParallel:
         check_agreement: before exchanging data, check cheaply that all ranks pass the same
             shapes/dtypes (gloo would otherwise deliver garbage on a mismatch), and in shard_batch that
             they hold the same batch content (checksums).
+        debug_collectives: before each collective on the group, check across it that every rank issues
+            the same op (sequence number, tag, bytes; longdoc.parallel.guard). Off by default (no cost).
+        ulysses_size: for strategy "usp", factor the group as ring_size x ulysses_size (mesh axes
+            "cp_ring" x "cp_ulysses"): CP rank = ring_index * ulysses_size + ulysses_index, so each Ulysses
+            group is ulysses_size consecutive ranks (inside a node) and the ring runs across them. A divisor
+            of the group size; creating it is collective over the group (every rank, same value). None: the
+            group is not factored ("ring", "allgather" and "ulysses" need no factoring).
+
+    The group carries CP traffic only. Under DDP/FSDP, do not pass the group gradients are reduced on
+    (by default the world group): pass a group of its own, e.g. `dist.new_group()` (see longdoc.patch).
     """
 
-    def __init__(self, group=None, layout: str = "zigzag", *, timeout: float | datetime.timedelta | None = None,
-                 kernel: str | None = None, check_agreement: bool = True):
+    def __init__(self, group: dist.ProcessGroup | DeviceMesh | None = None, layout: str = "zigzag", *,
+                 timeout: float | datetime.timedelta | None = None, kernel: str | None = None,
+                 check_agreement: bool = True, debug_collectives: bool = False,
+                 ulysses_size: int | None = None) -> None:
         self.layout = layouts.check_layout(layout)
         if kernel is not None:
             kernels.select(torch.device("cpu"), torch.float32, kernel)  # validates the name
@@ -62,17 +102,68 @@ class ContextParallel:
             self.size, self.rank = 1, 0
         else:
             self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self._ring = comm.Ring(group, self.timeout) if group is not None and self.size > 1 else None
+        self.guard = Guard(group, "cp", self.timeout) if debug_collectives and self.size > 1 else None
+        self._ring = comm.Ring(group, self.timeout, self.guard) if group is not None and self.size > 1 else None
+        self.ulysses_size = _check_ulysses_size(ulysses_size, self.size)
+        self._ulysses_group, self._outer_ring, self._ulysses_guard = self._factor(debug_collectives)
 
     def __repr__(self) -> str:
-        return f"ContextParallel(size={self.size}, rank={self.rank}, layout={self.layout!r})"
+        factored = "" if self.ulysses_size is None else \
+            f", ring_size={self.ring_size}, ulysses_size={self.ulysses_size}"
+        return f"ContextParallel(size={self.size}, rank={self.rank}, layout={self.layout!r}{factored})"
+
+    @property
+    def ring_size(self) -> int | None:
+        """The "cp_ring" axis of a group factored for usp (size // ulysses_size), else None."""
+        return None if self.ulysses_size is None else self.size // self.ulysses_size
+
+    def _factor(self, debug_collectives: bool = False):
+        """The Ulysses group and the outer Ring of a factored group (None where an axis is trivial or the group
+        is not factored). Only the group's members take part (use_local_synchronization), each creating its
+        "cp_ulysses" group first and its "cp_ring" group second: the same order everywhere, so no deadlock."""
+        u = self.ulysses_size
+        if u is None or u in (1, self.size):
+            return None, None, None
+        if self.check_agreement:
+            sizes = [m[0] for m in comm.agree([u], self.group, self.timeout, self.comm_device(torch.device("cpu")))]
+            if len(set(sizes)) != 1:
+                raise ValueError(f"ContextParallel: CP ranks disagree on ulysses_size ({sizes}, by rank); pass the "
+                                 f"same value on every rank")
+        world = dist.get_process_group_ranks(self.group)  # global ranks, in CP rank order
+        ring_index, ulysses_index = divmod(self.rank, u)
+        made = []
+        for axis, members, want in (("cp_ulysses", [world[ring_index * u + i] for i in range(u)], ulysses_index),
+                                    ("cp_ring", [world[i * u + ulysses_index] for i in range(self.size // u)],
+                                     ring_index)):
+            group = dist.new_group(members, timeout=self.timeout, use_local_synchronization=True,
+                                   group_desc=f"longdoc_{axis}")
+            if dist.get_rank(group) != want:  # new_group orders by global rank; CP rank order must agree
+                raise RuntimeError(f"ContextParallel: the {axis} group {members} does not keep CP rank order "
+                                   f"(CP groups from longdoc's meshes always do); build the CP group with global "
+                                   f"ranks increasing in CP rank")
+            made.append(group)
+        guards = [Guard(g, axis, self.timeout) if debug_collectives else None
+                  for g, axis in zip(made, ("cp_ulysses", "cp_ring"), strict=True)]
+        return made[0], comm.Ring(made[1], self.timeout, guards[1]), guards[0]
+
+    def _grid(self, strategy: str) -> Grid:
+        """Where this rank sits for the Ulysses-based strategies."""
+        if strategy == "ulysses":
+            return Grid(self.group if self.size > 1 else None, self.rank, self.size, None, 0, 1, self.layout,
+                        self.timeout, self.guard)
+        u = self.ulysses_size
+        ring_index, ulysses_index = divmod(self.rank, u)
+        group = None if u == 1 else self.group if u == self.size else self._ulysses_group
+        ring = self._ring if u == 1 else self._outer_ring
+        guard = None if u == 1 else self.guard if u == self.size else self._ulysses_guard
+        return Grid(group, ulysses_index, u, ring, ring_index, self.size // u, self.layout, self.timeout, guard)
 
     @property
     def multiple(self) -> int:
         """Full sequence lengths must be a multiple of this (cp.shard_batch pads internally)."""
         return layouts.num_chunks(self.layout, self.size)
 
-    def pack(self, doc_lens) -> layouts.Packed:
+    def pack(self, doc_lens: Sequence[int] | layouts.Packed) -> layouts.Packed:
         """A packed row of documents with these lengths (in order) for `attention(..., documents=)`
         and `shard/gather/positions(..., documents=)`; raises if the row length is not a multiple of
         cp.size (pad with `Packed.pad_to(cp.size)`)."""
@@ -94,6 +185,15 @@ class ContextParallel:
             return x_local
         return _Gather.apply(x_local, self, dim, documents)
 
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's `x` (same shape everywhere), on every rank. Differentiable: the gradient of
+        each rank's `x` is the sum of all ranks' gradients of the result, so a function of the group's total that
+        every rank takes a 1/cp.size share of gets, summed over the group, its full gradient (e.g. statistics
+        over the whole sequence, such as an MoE router's load-balancing terms)."""
+        if self.size == 1:
+            return x
+        return _Sum.apply(x, self)
+
     def positions(self, seq_len: int, device: torch.device | str | None = None,
                   documents: layouts.Packed | None = None) -> torch.Tensor:
         """Global positions of this rank's tokens for a full sequence of `seq_len` tokens."""
@@ -103,7 +203,7 @@ class ContextParallel:
             return documents.positions(self.rank, self.size, self.layout, device=device)
         return layouts.positions(seq_len, self.rank, self.size, self.layout, device=device)
 
-    def shard_batch(self, batch: dict, **kwargs) -> dict:
+    def shard_batch(self, batch: Mapping[str, Any], **kwargs: Any) -> dict[str, torch.Tensor]:
         """Full batch dict (input_ids, labels?, attention_mask?) -> this rank's local batch, after checking
         that every rank of the group holds the same batch (see longdoc.parallel.batch)."""
         return batches.shard_batch(batch, self, **kwargs)
@@ -114,11 +214,22 @@ class ContextParallel:
         return torch.device("cpu")
 
 
+class _Sum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cp: ContextParallel):
+        ctx.cp = cp
+        return comm.all_reduce(x.clone(), cp.group, cp.timeout, cp.guard, "all_reduce cp.sum")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_reduce(grad.clone(), ctx.cp.group, ctx.cp.timeout, ctx.cp.guard, "all_reduce cp.sum grad"), None
+
+
 class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cp: ContextParallel, dim: int, documents):
         ctx.cp, ctx.dim, ctx.documents = cp, dim, documents
-        parts = comm.all_gather(x, cp.group, cp.timeout)
+        parts = comm.all_gather(x, cp.group, cp.timeout, cp.guard, "all_gather cp.gather")
         if documents is not None:
             return documents.unshard(parts, dim % x.dim(), cp.layout)
         return layouts.unshard(parts, dim % x.dim(), cp.layout)
@@ -130,102 +241,20 @@ class _Gather(torch.autograd.Function):
             parts = [docs.shard(grad, dim, r, cp.size, cp.layout) for r in range(cp.size)]
         else:
             parts = [layouts.shard(grad, dim, r, cp.size, cp.layout) for r in range(cp.size)]
-        return comm.reduce_scatter(parts, cp.group, cp.timeout), None, None, None
+        return comm.reduce_scatter(parts, cp.group, cp.timeout, cp.guard, "reduce_scatter cp.gather"), None, None, None
 
 
 # ---- validation: a pure function of every rank's metadata, so every rank raises the same error ----
 
-_DTYPE_IDS = {dt: i for i, dt in enumerate((torch.float16, torch.bfloat16, torch.float32, torch.float64))}
-
-
-class _Dims(NamedTuple):
-    ndim: int
-    shape: tuple[int, int, int, int]  # (batch, heads, local_len, head_dim) when 4-D
-
-    @classmethod
-    def of(cls, t: torch.Tensor) -> _Dims:
-        return cls(t.dim(), tuple((list(t.shape) + [0, 0, 0, 0])[:4]))
-
-
-class _Meta(NamedTuple):
-    """One rank's attention inputs, as every rank sees them (packs to a list of ints for comm.agree)."""
-
-    q: _Dims
-    k: _Dims
-    v: _Dims
-    dtypes: tuple[int, int, int]  # _DTYPE_IDS of q, k, v; -1 unsupported
-    same_device: int
-    causal: int
-    strategy: int
-    pattern: tuple[int, ...] = ()  # window, chunk, softcap, sinks, documents: see patterns_meta
-
-    @classmethod
-    def of(cls, q, k, v, causal: bool, strategy: str, pattern_meta: list[int] | None = None) -> _Meta:
-        return cls(_Dims.of(q), _Dims.of(k), _Dims.of(v), tuple(_DTYPE_IDS.get(t.dtype, -1) for t in (q, k, v)),
-                   int(q.device == k.device == v.device), int(causal), STRATEGIES.index(strategy),
-                   tuple(pattern_meta or ()))
-
-    def pack(self) -> list[int]:
-        return [*(i for d in (self.q, self.k, self.v) for i in (d.ndim, *d.shape)), *self.dtypes,
-                self.same_device, self.causal, self.strategy, *self.pattern]
-
-    @classmethod
-    def unpack(cls, ints: list[int]) -> _Meta:
-        dims = [_Dims(ints[i], tuple(ints[i + 1:i + 5])) for i in (0, 5, 10)]
-        return cls(*dims, tuple(ints[15:18]), *ints[18:21], tuple(ints[21:]))
-
-
-def _describe(meta: _Meta) -> str:
-    names = {i: str(dt).removeprefix("torch.") for dt, i in _DTYPE_IDS.items()}
-    dt = [names.get(i, "unsupported") for i in meta.dtypes]
-    text = (f"q {meta.q.shape} {dt[0]}, k {meta.k.shape} {dt[1]}, v {meta.v.shape} {dt[2]}, "
-            f"causal={bool(meta.causal)}")
-    return text + (", " + patterns_meta.describe(list(meta.pattern)) if meta.pattern else "")
-
-
-def _problem(meta: _Meta, layout: str, world_size: int) -> str | None:
-    """What is wrong with one rank's attention inputs, or None."""
-    if meta.q.ndim != 4 or meta.k.ndim != 4 or meta.v.ndim != 4:
-        return (f"q, k and v must be 4-D (batch, heads, local_len, head_dim); got {meta.q.ndim}-D, {meta.k.ndim}-D "
-                f"and {meta.v.ndim}-D tensors (transpose (batch, len, heads, dim) inputs with .transpose(1, 2))")
-    (bq, hq, lq, dq), (bk, hk, lk, dk), (bv, hv, lv, dv) = meta.q.shape, meta.k.shape, meta.v.shape
-    if min(meta.dtypes) < 0:
-        return "q, k and v must be float16, bfloat16, float32 or float64 tensors"
-    if len(set(meta.dtypes)) != 1:
-        return f"q, k and v must have one dtype; got {_describe(meta)} (cast them to q's dtype)"
-    if not meta.same_device:
-        return "q, k and v must be on the same device"
-    if (bk, hk, lk, dk) != (bv, hv, lv, dv):
-        return f"k and v must have the same shape; got {_describe(meta)}"
-    if bq != bk or dq != dk:
-        return f"q and k must share batch size and head_dim; got {_describe(meta)}"
-    if hk == 0 or hq % hk:
-        return (f"q_heads ({hq}) must be a multiple of kv_heads ({hk}) for grouped-query attention; "
-                f"got {_describe(meta)}")
-    if lq != lk:
-        return (f"q and k/v must hold the same local tokens (self-attention over one sharded sequence); "
-                f"got local lengths {lq} and {lk}")
-    if lq == 0:
-        return "the local sequence is empty: the full sequence must have at least one token per chunk"
-    pattern_problem = patterns_meta.problem(list(meta.pattern), causal=bool(meta.causal), q_heads=hq,
-                                            seq_len=lq * world_size, layout=layout)
-    if pattern_problem:
-        return pattern_problem
-    chunks = len(layouts.chunk_ids(layout, 0, world_size))
-    if lq % chunks and not patterns_meta.has_documents(list(meta.pattern)):
-        return (f"local length {lq} must be divisible by {chunks} for the {layout} layout (a rank holds "
-                f"{chunks} chunks); shard the full sequence with cp.shard, or cp.shard_batch, which pads")
-    return None
-
-
 def _validate(q, k, v, cp: ContextParallel, causal: bool, strategy: str,
               pattern_meta: list[int] | None = None) -> None:
     check_strategy(strategy)
-    meta = _Meta.of(q, k, v, causal, strategy, pattern_meta)
+    meta = _Meta.of(q, k, v, causal, strategy, _ulysses_width(cp, strategy), pattern_meta)
     if cp.size == 1 or not cp.check_agreement:
         metas = [meta]
     else:
-        metas = [_Meta.unpack(m) for m in comm.agree(meta.pack(), cp.group, cp.timeout, cp.comm_device(q.device))]
+        metas = [_Meta.unpack(m) for m in comm.agree(meta.pack(), cp.group, cp.timeout, cp.comm_device(q.device),
+                                                     cp.guard, "agree attention inputs")]
     for rank, m in enumerate(metas):
         problem = _problem(m, cp.layout, cp.size)
         if problem:
@@ -240,13 +269,17 @@ def _validate(q, k, v, cp: ContextParallel, causal: bool, strategy: str,
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel, causal: bool = True,
               scale: float | None = None, strategy: str = "ring", *, window: int | None = None,
               chunk_size: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
-              documents: layouts.Packed | Sequence[int] | None = None) -> torch.Tensor:
+              documents: layouts.Packed | Sequence[int] | None = None,
+              selected: torch.Tensor | None = None) -> torch.Tensor:
     """Exact full-sequence attention computed on local shards.
 
     q (batch, q_heads, local_len, head_dim); k, v (batch, kv_heads, local_len, head_dim), each this
     rank's shard (cp.shard) of the full tensors. Returns this rank's shard of
     SDPA(q, k, v, is_causal=causal, scale=scale, enable_gqa=True) under the pattern below. Differentiable
-    (w.r.t. q, k, v and sinks). strategy: "ring" (K/V rotate, O(local) memory) or "allgather".
+    (w.r.t. q, k, v and sinks). strategy: "ring" (K/V rotate, O(local) memory), "allgather" (K/V gathered),
+    "ulysses" (heads all-to-all: every rank attends over the full sequence for its share of the heads; needs
+    q_heads >= cp.size) or "usp" (Ulysses inside groups of cp.ulysses_size consecutive ranks, ring across them;
+    see longdoc.parallel.ulysses for the trade-offs).
     Patterns, in GLOBAL positions (query i, key j of the full sequence):
       window: int >= 1, query i sees key j when i - window < j <= i (Hugging Face's sliding window;
           needs causal=True). Windows longer than the sequence are plain causal attention.
@@ -260,17 +293,29 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextPara
           to the full length, padding included), shared by every row of the batch: tokens attend only
           within their document. Shard such rows with `cp.shard(x, dim, documents=...)`: with the
           zigzag layout each document is zigzagged over the ranks (layout.Packed).
+      selected: an integer tensor (batch, local_len, n), for every LOCAL query n GLOBAL key positions (entries < 0
+          are unused slots): query i sees key j only if j is in selected[:, i] (and the rest of the pattern shows
+          it). Sparse indexed attention (DeepSeek DSA) passes its indexer's top-k here; no gradient flows to it.
+          Tiles of a block that no query selected a key of are skipped (longdoc/parallel/selection.py).
     Patterns combine (e.g. window + documents + sinks). Blocks a pattern hides are never computed.
     """
-    pattern, pattern_meta = patterns_meta.build(q, window, chunk_size, softcap, sinks, documents)
+    if selected is not None and strategy in ("ulysses", "usp"):  # the same on every rank: before any collective
+        raise ValueError(f"longdoc.attention: selected-key (sparse indexed) attention runs with strategy 'ring' or "
+                         f"'allgather', not {strategy!r}; use one of those for DSA models")
+    pattern, pattern_meta = patterns_meta.build(q, window, chunk_size, softcap, sinks, documents, selected)
     _validate(q, k, v, cp, causal, strategy, pattern_meta)
     pattern = dataclasses.replace(pattern, causal=bool(causal)).normalized(q.shape[2] * cp.size)
     scale = kernels.default_scale(q.shape[-1]) if scale is None else float(scale)
     capped = pattern.softcap is not None
     kernel = kernels.select(q.device, q.dtype, cp.kernel, softcap=capped)
     band_kernel = kernels.select(q.device, q.dtype, cp.kernel, band=True, softcap=capped)
-    extra = {"pattern": pattern, "sinks": sinks, "band_kernel": band_kernel}
+    extra = {"pattern": pattern, "sinks": sinks, "band_kernel": band_kernel,
+             "selected": selected.detach() if selected is not None else None}
     if strategy == "ring":
         return ring_attention(q, k, v, cp._ring, cp.layout, pattern.causal, scale, kernel, **extra)
+    if strategy in ("ulysses", "usp"):
+        extra.pop("selected")  # None here: _validate refuses selected keys with these strategies
+        return ulysses_attention(q, k, v, cp._grid(strategy), pattern.causal, scale, kernel, **extra)
     group = cp.group if cp.size > 1 else None
-    return allgather_attention(q, k, v, group, cp.timeout, cp.layout, pattern.causal, scale, kernel, **extra)
+    return allgather_attention(q, k, v, group, cp.timeout, cp.layout, pattern.causal, scale, kernel, guard=cp.guard,
+                               **extra)

@@ -11,6 +11,8 @@ The local batch holds:
   labels, shift_labels          targets shifted over the FULL sequence before sharding
                                 (shift_labels[t] = labels[t + 1]); -100 where no loss is taken
   num_items_in_batch            the global number of loss tokens (a 0-d tensor, same on every rank)
+  longdoc_row_lengths           only where rows are padded: each row's real length (batch,), which a
+                                patched model's forward pre-hook takes before the model sees the call
 transformers' causal-LM loss sums the local token losses and divides by num_items_in_batch, so each
 rank's loss is its share and gradients summed over the group are the single-device gradients.
 
@@ -43,9 +45,10 @@ import torch
 from longdoc.parallel.batch_agree import CPInputError, agree_content, checksum
 from longdoc.parallel.layout import Packed, round_up
 
-__all__ = ["CPInputError", "checksum", "count_loss_tokens", "documents_of", "shard_batch", "shift_labels",
-           "source_index"]
+__all__ = ["ROW_LENGTHS", "CPInputError", "checksum", "count_loss_tokens", "documents_of", "shard_batch",
+           "shift_labels", "source_index"]
 
+ROW_LENGTHS = "longdoc_row_lengths"  # see _shard; only in local batches with padding
 _KNOWN = ("input_ids", "inputs_embeds", "attention_mask", "labels", "position_ids", "cu_seq_lens_q",
           "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 def _as_tensor(value: Any, name: str) -> torch.Tensor:
@@ -114,7 +117,7 @@ def shift_labels(labels: torch.Tensor, attention_mask: torch.Tensor | None = Non
     return out
 
 
-def shard_batch(batch: Mapping[str, Any], cp, *, pad_token_id: int = 0, ignore_index: int = -100,
+def shard_batch(batch: Mapping[str, Any], cp: Any, *, pad_token_id: int = 0, ignore_index: int = -100,
                 num_items_in_batch: int | torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """This rank's part of a full batch (see the module docstring for what it holds).
 
@@ -124,7 +127,7 @@ def shard_batch(batch: Mapping[str, Any], cp, *, pad_token_id: int = 0, ignore_i
             (batch, seq), right or left padding (left-padded rows are rolled, see the module docstring).
             position_ids: none (computed), the plain 0..seq-1 positions (or a constant offset), or a packed
             row's positions restarting at 0 per document (with optional cu_seq_lens_* agreeing with them).
-        cp: the ContextParallel group and layout.
+        cp: the ContextParallel group and layout (typed Any: longdoc.parallel.api imports this module).
         pad_token_id: token used for the internal padding to cp.multiple. Its value never changes the
             result (padded tokens come after every real token and never count); it must be a valid id.
         num_items_in_batch: override the loss-token count, e.g. the total over gradient-accumulation steps
@@ -274,6 +277,10 @@ def _shard(fields: dict[str, Any], cp, pad_token_id: int, ignore_index: int,
             "position_ids": cp.positions(padded, device=device).unsqueeze(0) + start,
         }
         local_targets = cp.shard(targets, dim=1) if targets is not None else None
+        if any(n < padded for n in rows.n_real):
+            # Each row's real length: a patched model's forward pre-hook takes it (the model never sees it), for
+            # layers whose result depends on the row's length itself (DSA's top-k breaks ties by the row).
+            local[ROW_LENGTHS] = torch.tensor(rows.n_real, dtype=torch.long, device=device)
     else:
         packs = [Packed((*(d or (n,)), *((padded - n,) if padded > n else ())))
                  for d, n in zip(rows.docs, rows.n_real)]
@@ -288,6 +295,8 @@ def _shard(fields: dict[str, Any], cp, pad_token_id: int, ignore_index: int,
                          if targets is not None else None)
         cu = sorted({r * padded + s_ for r, p in enumerate(packs) for s_ in p.starts()})
         local["cu_seq_lens_q"] = local["cu_seq_lens_k"] = torch.tensor(cu, dtype=torch.int32, device=device)
+        if any(n < padded for n in rows.n_real):  # the padding document is not a real one (MoE router statistics)
+            local[ROW_LENGTHS] = torch.tensor(rows.n_real, dtype=torch.long, device=device)
     if targets is not None:
         if num_items_in_batch is None:
             # max(., 1): a batch with no loss token gives loss 0 (and zero grads) instead of NaN.

@@ -109,7 +109,8 @@ def agree_content(fields: dict[str, Any] | None, cp, pad_token_id: int, ignore_i
     else:
         mine = _BatchMeta(1, tuple(_FieldMeta.of(fields[name]) for name in _AGREED), options)
     device = cp.comm_device(fields["inputs"].device) if fields is not None else cp.comm_device(torch.device("cpu"))
-    metas = [_BatchMeta.unpack(m) for m in comm.agree(mine.pack(), cp.group, cp.timeout, device)]
+    metas = [_BatchMeta.unpack(m) for m in comm.agree(mine.pack(), cp.group, cp.timeout, device,
+                                                      getattr(cp, "guard", None), "agree batch content")]
     if fields is None:
         return  # the caller re-raises this rank's own validation error
     key = fields["key"]

@@ -14,7 +14,7 @@ import functools
 import torch
 
 from longdoc.parallel import layout as layouts
-from longdoc.parallel import masks
+from longdoc.parallel import masks, selection
 from longdoc.parallel.layout import Run
 from longdoc.parallel.masks import Block, Pattern
 
@@ -85,23 +85,28 @@ def _as_blocks(plan: list[tuple[slice, slice, bool]]) -> tuple[Block, ...]:
     return tuple(Block(rows, cols, causal) for rows, cols, causal in plan)
 
 
+Runs = tuple[tuple[Run, ...], ...]  # every ring rank's pieces of the full sequence
+
+
 @functools.lru_cache(maxsize=4096)
-def ring_blocks(layout: str, rank: int, src: int, size: int, local_len: int, pattern: Pattern) -> tuple[Block, ...]:
-    """Blocks of (local queries) x (keys held by `src`) for any pattern; hidden blocks never listed."""
-    if pattern.plain:
+def ring_blocks(layout: str, rank: int, src: int, size: int, local_len: int, pattern: Pattern,
+                runs: Runs | None = None) -> tuple[Block, ...]:
+    """Blocks of (local queries) x (keys held by `src`) for any pattern; hidden blocks never listed.
+    `runs` overrides the layout's pieces (the ring of a 2-D Ulysses x ring group holds other pieces)."""
+    if pattern.plain and runs is None:
         return _as_blocks(ring_plan(layout, rank, src, size, local_len, pattern.causal))
     seq_len = local_len * size
-    runs = all_runs(layout, size, seq_len, pattern)
+    runs = all_runs(layout, size, seq_len, pattern) if runs is None else runs
     return masks.plan(runs[rank], runs[src], seq_len, pattern)
 
 
 @functools.lru_cache(maxsize=1024)
-def ring_steps(layout: str, size: int, local_len: int, pattern: Pattern) -> int:
+def ring_steps(layout: str, size: int, local_len: int, pattern: Pattern, runs: Runs | None = None) -> int:
     """How many ring steps any rank needs (size, unless a window/chunk/documents hide the far blocks)."""
-    if pattern.plain:
+    if pattern.plain and runs is None:
         return size
     seq_len = local_len * size
-    return masks.steps_needed(all_runs(layout, size, seq_len, pattern), seq_len, pattern)
+    return masks.steps_needed(all_runs(layout, size, seq_len, pattern) if runs is None else runs, seq_len, pattern)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -142,3 +147,46 @@ def kernel_call(kernel, band_kernel, blk: Block, softcap: float | None) -> tuple
     if blk.band is None and softcap is None:
         return kern, {}  # the plain call every kernel accepts
     return kern, {"band": blk.band, "softcap": softcap}
+
+
+# ---- one planned block, with or without selected keys ------------------------------------------
+
+# A selection travels with its block plans as (selected (batch, local_len, n), global positions of the keys held,
+# full sequence length); see longdoc/parallel/selection.py.
+Selected = tuple[torch.Tensor, torch.Tensor, int]
+
+
+def block_forward(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, blk: Block, kernel,
+                  band_kernel, softcap: float | None, scale: float, sel: Selected | None = None) -> None:
+    """Merge one planned block of q against kv (2, batch, kv_heads, len, dim) into (out, lse), in place."""
+    if sel is None:
+        kern, extra = kernel_call(kernel, band_kernel, blk, softcap)
+        rows, cols = blk.rows, blk.cols
+        o, l = kern.forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], blk.causal, scale, **extra)
+        out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o, l)
+        return
+    selected, key_pos, seq_len = sel
+    for rows, cols, hidden in selection.tiles(blk, selected, key_pos[blk.cols], seq_len):
+        o, l = band_kernel.forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], False, scale, softcap=softcap,
+                                   mask=hidden)
+        o, l = selection.fix_unseen(o, l, hidden)
+        out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o, l)
+
+
+def block_backward(dout, q, kv, out, lse, dq, dkv, blk: Block, kernel, band_kernel, softcap: float | None,
+                   scale: float, sel: Selected | None = None) -> None:
+    """Accumulate one planned block's (dq, dk, dv) into dq and dkv (2, batch, kv_heads, len, dim), in place,
+    from the FINAL out and lse."""
+    if sel is None:
+        kern, extra = kernel_call(kernel, band_kernel, blk, softcap)
+        pieces = [(blk.rows, blk.cols, kern, blk.causal, extra)]
+    else:
+        selected, key_pos, seq_len = sel
+        pieces = [(rows, cols, band_kernel, False, {"softcap": softcap, "mask": hidden})
+                  for rows, cols, hidden in selection.tiles(blk, selected, key_pos[blk.cols], seq_len)]
+    for rows, cols, kern, causal, extra in pieces:
+        dq_b, dk_b, dv_b = kern.backward(dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                                         out[:, :, rows], lse[:, :, rows], causal, scale, **extra)
+        dq[:, :, rows] += dq_b
+        dkv[0][:, :, cols] += dk_b
+        dkv[1][:, :, cols] += dv_b

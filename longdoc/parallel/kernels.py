@@ -10,6 +10,10 @@ out like q; lse (batch, q_heads, q_len) in fp32 (fp64 for fp64 inputs).
 `band=(lo, hi)`: row r sees column c when lo <= c - r <= hi (None = unbounded); the planner
 (masks.plan) passes it only on partial blocks, and guarantees every row sees at least one column.
 `softcap=c`: scores become c * tanh(s / c) before masking and softmax (Gemma 2).
+`mask`: a bool (batch, q_len, kv_len) tensor, True where a key is HIDDEN from a query (shared by the heads):
+selected-key attention (longdoc.parallel.selection) passes it with causal=False and no band. A row it hides
+entirely comes back as (0, any lse); the caller fixes such rows (selection.fix_unseen). Kernels that take a
+band take a mask too.
 
 Kernels: CPU -> aten flash-for-cpu ops (GQA native; a band becomes an additive mask built for that
 block only); CUDA -> kernels_cuda (aten flash / memory-efficient, flash-attn when installed);
@@ -37,9 +41,9 @@ Band = tuple[int | None, int | None]
 
 @dataclass(frozen=True)
 class Kernel:
-    """forward(q, k, v, causal, scale, band=None, softcap=None) -> (out, lse);
-    backward(dout, q, k, v, out, lse, causal, scale, band=None, softcap=None) -> (dq, dk, dv).
-    `band` / `softcap`: whether the kernel accepts those arguments."""
+    """forward(q, k, v, causal, scale, band=None, softcap=None, mask=None) -> (out, lse);
+    backward(dout, q, k, v, out, lse, causal, scale, band=None, softcap=None, mask=None) -> (dq, dk, dv).
+    `band` / `softcap`: whether the kernel accepts those arguments (`band` also means it accepts `mask`)."""
 
     name: str
     forward: Forward
@@ -62,21 +66,30 @@ _lse_dtype = lse_dtype  # the old private name, still imported elsewhere
 
 # ---- CPU: aten flash attention for CPU --------------------------------------------------------
 
-def _cpu_mask(q, k, band):
+def hidden_bias(hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(batch, q_len, kv_len) bool, True = hidden -> additive (batch, 1, q_len, kv_len) mask of `dtype`."""
+    return torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill(hidden, float("-inf")).unsqueeze(1)
+
+
+def _cpu_mask(q, k, band, mask=None):
+    if mask is not None:
+        if band is not None:
+            mask = mask | band_hidden(q.shape[2], k.shape[2], band, device=q.device)
+        return hidden_bias(mask, q.dtype)
     return None if band is None else band_bias(q.shape[2], k.shape[2], band, q.dtype, q.device)
 
 
-def _cpu_forward(q, k, v, causal, scale, band=None, softcap=None):
-    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=_cpu_mask(q, k, band),
-                                                                 scale=scale)
+def _cpu_forward(q, k, v, causal, scale, band=None, softcap=None, mask=None):
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
+                                                                 attn_mask=_cpu_mask(q, k, band, mask), scale=scale)
     return out, lse
 
 
-def _cpu_backward(dout, q, k, v, out, lse, causal, scale, band=None, softcap=None):
+def _cpu_backward(dout, q, k, v, out, lse, causal, scale, band=None, softcap=None, mask=None):
     dout, out = dout.contiguous(), out.contiguous()
     lse = lse.to(lse_dtype(q.dtype)).contiguous()
     dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, causal, attn_mask=_cpu_mask(q, k, band), scale=scale
+        dout, q, k, v, out, lse, 0.0, causal, attn_mask=_cpu_mask(q, k, band, mask), scale=scale
     )
     return dq, dk, dv
 
@@ -97,7 +110,7 @@ def _tiles(q, k):
     return [(r, min(lq, r + step)) for r in range(0, lq, step)]
 
 
-def _scores(qg, kf, r0, r1, causal, scale, band, softcap):
+def _scores(qg, kf, r0, r1, causal, scale, band, softcap, mask=None):
     """Scores of rows [r0, r1) (b, hkv, g, rows, lk) after soft-capping and masking, and tanh (or None)."""
     s = torch.matmul(qg[:, :, :, r0:r1], kf.transpose(-1, -2)) * scale
     t = None
@@ -107,6 +120,8 @@ def _scores(qg, kf, r0, r1, causal, scale, band, softcap):
     hidden = band_hidden(r1 - r0, kf.shape[-2], band, causal, r0, s.device)
     if hidden is not None:
         s = s.masked_fill(hidden, float("-inf"))
+    if mask is not None:  # (batch, q_len, kv_len): the same for every head
+        s = s.masked_fill(mask[:, None, None, r0:r1], float("-inf"))
     return s, t
 
 
@@ -115,13 +130,13 @@ def _probs(s, lse):
     return torch.exp(s - torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse).unsqueeze(-1))
 
 
-def _math_forward(q, k, v, causal, scale, band=None, softcap=None):
+def _math_forward(q, k, v, causal, scale, band=None, softcap=None, mask=None):
     acc = lse_dtype(q.dtype)
     hkv = k.shape[1]
     qg, kf, vf = _grouped(q, hkv).to(acc), k.to(acc).unsqueeze(2), v.to(acc).unsqueeze(2)
     outs, lses = [], []
     for r0, r1 in _tiles(q, k):
-        s, _ = _scores(qg, kf, r0, r1, causal, scale, band, softcap)
+        s, _ = _scores(qg, kf, r0, r1, causal, scale, band, softcap, mask)
         lse = torch.logsumexp(s, dim=-1)
         outs.append(torch.matmul(_probs(s, lse), vf))
         lses.append(lse)
@@ -130,7 +145,7 @@ def _math_forward(q, k, v, causal, scale, band=None, softcap=None):
     return out.reshape(q.shape).to(q.dtype), lse.reshape(q.shape[:3])
 
 
-def _math_backward(dout, q, k, v, out, lse, causal, scale, band=None, softcap=None):
+def _math_backward(dout, q, k, v, out, lse, causal, scale, band=None, softcap=None, mask=None):
     acc = lse_dtype(q.dtype)
     hkv = k.shape[1]
     qg, dog, og = (_grouped(t, hkv).to(acc) for t in (q, dout, out))
@@ -140,7 +155,7 @@ def _math_backward(dout, q, k, v, out, lse, causal, scale, band=None, softcap=No
     dk = torch.zeros(kf.shape, dtype=acc, device=q.device).squeeze(2)
     dv = torch.zeros_like(dk)
     for r0, r1 in _tiles(q, k):
-        s, t = _scores(qg, kf, r0, r1, causal, scale, band, softcap)
+        s, t = _scores(qg, kf, r0, r1, causal, scale, band, softcap, mask)
         p = _probs(s, lse_g[..., r0:r1])
         do = dog[:, :, :, r0:r1]
         dp = torch.matmul(do, vf.transpose(-1, -2))

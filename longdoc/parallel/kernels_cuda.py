@@ -13,7 +13,7 @@ import importlib.util
 import torch
 
 from longdoc.parallel.layout import round_up
-from longdoc.parallel.masks import band_bias
+from longdoc.parallel.masks import band_bias, band_hidden
 
 aten = torch.ops.aten
 
@@ -38,13 +38,13 @@ def _reduce_kv_grad(dk, k):
     return dk.reshape(b, k.shape[1], groups, n, d).sum(2)
 
 
-def flash_forward(q, k, v, causal, scale, band=None, softcap=None):
+def flash_forward(q, k, v, causal, scale, band=None, softcap=None, mask=None):
     ke, ve = _expand_kv(q, k, v)
     res = aten._scaled_dot_product_flash_attention(q, ke, ve, 0.0, causal, False, scale=scale)
     return res[0], res[1]
 
 
-def flash_backward(dout, q, k, v, out, lse, causal, scale, band=None, softcap=None):
+def flash_backward(dout, q, k, v, out, lse, causal, scale, band=None, softcap=None, mask=None):
     ke, ve = _expand_kv(q, k, v)
     dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
         dout.contiguous(), q, ke, ve, out.contiguous(), lse.float().contiguous(), None, None,
@@ -53,30 +53,35 @@ def flash_backward(dout, q, k, v, out, lse, causal, scale, band=None, softcap=No
     return dq, _reduce_kv_grad(dk, k), _reduce_kv_grad(dv, v)
 
 
-def _bias(q, k, band):
-    if band is None:
+def _bias(q, k, band, mask=None):
+    if band is None and mask is None:
         return None
     lq, lk = q.shape[2], k.shape[2]
     # The memory-efficient kernel wants the bias rows 16-element aligned: allocate padded, view the rest.
-    padded = torch.zeros(lq, round_up(lk, 16), dtype=q.dtype, device=q.device)
-    padded[:, :lk] = band_bias(lq, lk, band, q.dtype, q.device)
-    return padded[:, :lk].expand(q.shape[0], q.shape[1], lq, lk)
+    if mask is None:
+        padded = torch.zeros(lq, round_up(lk, 16), dtype=q.dtype, device=q.device)
+        padded[:, :lk] = band_bias(lq, lk, band, q.dtype, q.device)
+        return padded[:, :lk].expand(q.shape[0], q.shape[1], lq, lk)
+    hidden = mask if band is None else mask | band_hidden(lq, lk, band, device=q.device)  # (batch, lq, lk)
+    padded = torch.zeros(q.shape[0], 1, lq, round_up(lk, 16), dtype=q.dtype, device=q.device)
+    padded[..., :lk] = padded[..., :lk].masked_fill(hidden.unsqueeze(1), float("-inf"))
+    return padded[..., :lk].expand(q.shape[0], q.shape[1], lq, lk)
 
 
-def efficient_forward(q, k, v, causal, scale, band=None, softcap=None):
+def efficient_forward(q, k, v, causal, scale, band=None, softcap=None, mask=None):
     ke, ve = _expand_kv(q, k, v)
-    out, lse, _, _ = aten._scaled_dot_product_efficient_attention(q, ke, ve, _bias(q, k, band), True, 0.0, causal,
-                                                                   scale=scale)
+    out, lse, _, _ = aten._scaled_dot_product_efficient_attention(q, ke, ve, _bias(q, k, band, mask), True, 0.0,
+                                                                   causal, scale=scale)
     return out, lse[..., : q.shape[2]].float()  # the kernel pads lse to a multiple of 32 rows
 
 
-def efficient_backward(dout, q, k, v, out, lse, causal, scale, band=None, softcap=None):
+def efficient_backward(dout, q, k, v, out, lse, causal, scale, band=None, softcap=None, mask=None):
     ke, ve = _expand_kv(q, k, v)
     padded = round_up(q.shape[2], 32)
     lse_p = torch.zeros(*lse.shape[:2], padded, dtype=torch.float32, device=lse.device)
     lse_p[..., : q.shape[2]] = lse
     seed = torch.zeros((), dtype=torch.int64, device=q.device)
-    bias = _bias(q, k, band)
+    bias = _bias(q, k, band, mask)
     dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
         dout.contiguous(), q, ke, ve, bias, out.contiguous(), lse_p, seed, seed, 0.0,
         [True, True, True, False], causal, scale=scale,
@@ -84,7 +89,7 @@ def efficient_backward(dout, q, k, v, out, lse, causal, scale, band=None, softca
     return dq, _reduce_kv_grad(dk, k), _reduce_kv_grad(dv, v)
 
 
-def flash_attn_forward(q, k, v, causal, scale, band=None, softcap=None):
+def flash_attn_forward(q, k, v, causal, scale, band=None, softcap=None, mask=None):
     from flash_attn import flash_attn_func
 
     # flash-attn wants (batch, len, heads, dim) and handles GQA natively.
@@ -93,7 +98,7 @@ def flash_attn_forward(q, k, v, causal, scale, band=None, softcap=None):
     return out.transpose(1, 2), lse.float()
 
 
-def flash_attn_backward(dout, q, k, v, out, lse, causal, scale, band=None, softcap=None):
+def flash_attn_backward(dout, q, k, v, out, lse, causal, scale, band=None, softcap=None, mask=None):
     from flash_attn.flash_attn_interface import _flash_attn_backward
 
     t = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731

@@ -10,6 +10,7 @@ Pure functions of (rank, world_size); `shard` and `unshard` are exact inverses.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -139,7 +140,7 @@ class Packed:
         object.__setattr__(self, "doc_lens", lens)
 
     @classmethod
-    def from_position_ids(cls, position_ids) -> Packed:
+    def from_position_ids(cls, position_ids: torch.Tensor | Sequence[int]) -> Packed:
         """The documents of one packed row in Hugging Face's format (position_ids restarting at 0 at
         each document, as DataCollatorWithFlattening makes): a 1-D sequence or tensor of ints."""
         pos = [int(p) for p in (position_ids.tolist() if isinstance(position_ids, torch.Tensor) else position_ids)]

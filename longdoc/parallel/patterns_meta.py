@@ -33,7 +33,24 @@ def _float_bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", x))[0]
 
 
-def build(q: torch.Tensor, window, chunk_size, softcap, sinks, documents) -> tuple[Pattern, list[int]]:
+_INTS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def _selected_meta(q: torch.Tensor, selected) -> list[int]:
+    """[flag, n]: flag 0 none, 1 valid, -1 not an integer tensor, -2 not (batch, local_len, n), -3 other device."""
+    if selected is None:
+        return [0, 0]
+    if not isinstance(selected, torch.Tensor) or selected.dtype not in _INTS:
+        return [-1, 0]
+    if selected.dim() != 3 or tuple(selected.shape[:2]) != (q.shape[0], q.shape[2]):
+        return [-2, 0]
+    if selected.device != q.device:
+        return [-3, 0]
+    return [1, selected.shape[2]]
+
+
+def build(q: torch.Tensor, window, chunk_size, softcap, sinks, documents,
+          selected=None) -> tuple[Pattern, list[int]]:
     """(pattern, metadata ints) for these arguments; invalid values are encoded, not raised."""
     meta = [_int_or(window), _int_or(chunk_size)]
     cap_ok = isinstance(softcap, (int, float)) and not isinstance(softcap, bool) and math.isfinite(softcap) \
@@ -59,6 +76,7 @@ def build(q: torch.Tensor, window, chunk_size, softcap, sinks, documents) -> tup
             meta += [1, len(packed.doc_lens), packed.seq_len, crc]
     else:
         meta += [0, 0, 0, 0]
+    meta += _selected_meta(q, selected)
     pattern = Pattern(True, window if meta[0] > 0 else None, chunk_size if meta[1] > 0 else None,
                       float(softcap) if cap_ok else None, packed)
     return pattern, meta
@@ -80,6 +98,8 @@ def describe(meta: list[int]) -> str:
         parts.append(f"sinks {meta[5]}-D ({meta[6]},)")
     if meta[9] == 1:
         parts.append(f"documents: {meta[10]} summing to {meta[11]} (crc {meta[12]:08x})")
+    if len(meta) > 13 and meta[13] == 1:
+        parts.append(f"selected keys: {meta[14]} per query")
     return ", ".join(parts) if parts else "no pattern"
 
 
@@ -111,4 +131,9 @@ def problem(meta: list[int], *, causal: bool, q_heads: int, seq_len: int, layout
     if meta[9] == 1 and meta[11] != seq_len:
         return (f"documents sum to {meta[11]} tokens but the full sequence has {seq_len} (local length x CP "
                 f"size); pass the lengths of every document of the row, padding included")
+    flag = meta[13] if len(meta) > 13 else 0
+    if flag < 0:
+        what = {-1: "an integer tensor", -2: "of shape (batch, local_len, n): n GLOBAL key positions per local query",
+                -3: "on the same device as q"}[flag]
+        return f"selected must be {what} (entries < 0 are unused slots), or None"
     return None

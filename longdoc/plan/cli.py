@@ -44,10 +44,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dp", type=int, default=None, help="pin the data-parallel size")
     # validated by PlanRequest (longdoc.parallel.api.check_strategy): the choices live in the CP core, and
     # importing it here would import torch on every `longdoc --help`
-    p.add_argument("--strategy", default=None, help="pin the CP attention strategy (ring or allgather)")
+    p.add_argument("--strategy", default=None,
+                   help="pin the CP attention strategy: ring, allgather, ulysses or usp (default: consider all four)")
+    p.add_argument("--ulysses-size", type=int, default=None,
+                   help="with --strategy usp: ranks per Ulysses group (default: every divisor 1 < U < cp)")
     p.add_argument("--no-chunked-loss", action="store_true",
                    help="cross-entropy over all local tokens at once (what most trainers do) instead of 1024 at a time")
     p.add_argument("--loss-chunk", type=int, default=1024, help="tokens per cross-entropy chunk")
+    p.add_argument("--loss-tokens", type=int, default=None,
+                   help="tokens per sequence that carry a label (default: all, as in pretraining; a QA row: its "
+                        "answers, e.g. 125 for a 32k case file with 16 questions): the chunked loss builds logits "
+                        "only for them")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per forward pass per replica")
     p.add_argument("--all", action="store_true", help="list every candidate configuration")
     p.add_argument("--json", action="store_true", help="print the full plan as JSON")
@@ -60,8 +67,10 @@ def _main(args: argparse.Namespace) -> int:
     try:
         req = PlanRequest(model=args.model, seq_len=args.seq_len, gpus=args.gpus, gpu=args.gpu,
                           interconnect=args.interconnect, lora=args.lora, checkpointing=args.checkpointing,
-                          cp=args.cp, dp=args.dp, strategy=args.strategy, chunked_loss=not args.no_chunked_loss,
-                          loss_chunk=args.loss_chunk, micro_batch=args.micro_batch, memory_gib=args.memory_gib,
+                          cp=args.cp, dp=args.dp, strategy=args.strategy, ulysses_size=args.ulysses_size,
+                          chunked_loss=not args.no_chunked_loss,
+                          loss_chunk=args.loss_chunk, loss_tokens=args.loss_tokens, micro_batch=args.micro_batch,
+                          memory_gib=args.memory_gib,
                           precision=args.precision)
         result = plan(req)
     except ValueError as e:

@@ -47,6 +47,11 @@ class Device:
     runtime_gib: float  # memory the runtime takes besides tensors (CUDA context + NCCL; Python + torch on CPU)
     slack: float  # allocator overhead as a fraction of the short-lived (non-persistent) bytes
     achieved: bool = False  # peak_tflops is a measured rate (no efficiency factor applies)
+    # Attention kernels reach a fraction b / (b + knee) of their large-block rate on query blocks of b tokens:
+    # what makes one big Ulysses kernel faster than a ring's small blocks. GPUs: an assumption (a formula until
+    # measured on a device); CPU: fitted to the ring's measured CP efficiency at 8k and 16k (README Performance:
+    # E 0.94 and 1.01 at cp=2, 2k and 4k-token zigzag chunks).
+    attention_knee_tokens: float = 1024.0
     autocast: bool = False  # compute_bytes is autocast's: the residual stream and norms stay fp32
 
     @property
@@ -71,7 +76,7 @@ DEVICES: dict[str, Device] = {
     # peak_tflops: the ~70 GFLOP/s per core that the CPU flash-attention kernels reach (DESIGN.md).
     "cpu": Device(name="CPU process (fp32, gloo)", memory_gib=16.0, peak_tflops=0.07, hbm_gbps=10.0,
                   nvlink_gbps=0.6, ib_gbps=0.6, gpu=False, compute_bytes=4, weight_bytes=4, runtime_gib=0.45,
-                  slack=0.0, achieved=True),
+                  slack=0.0, achieved=True, attention_knee_tokens=180.0),
 }
 INTERCONNECTS = ("nvlink", "ib")
 

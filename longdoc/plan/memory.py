@@ -29,6 +29,8 @@ or, once the MLP's own saved 4cNI are freed, the attention's dQ fp32 4Nq + block
 Communication buffers: ring: K/V double buffer 2*(2*N*kv*c) + fp32 dK/dV in flight (1 for cp=1, 3 in
 the ring: being sent, being received, accumulating) * 2*N*kv*4. All-gather: full K/V cp*2*N*kv*c twice
 (parts + ordered copy) + fp32 dK/dV for the whole sequence and its reduce-scatter parts 2*cp*2*N*kv*4.
+Ulysses / usp: the q/k/v gradients in token and head layout with their all-to-all copies, and usp's outer
+ring buffers over U*N tokens (longdoc/plan/strategies.py `buffers`).
 FSDP2 buffers: forward 2*P_l*c (current + prefetched layer), backward P_l*(3c + 4) (two layers of
 params, the unsharded gradient and its fp32 reduce copy); the root unit (embedding, lm_head, norm) stays
 unsharded from forward to the end of backward: P_root*c, + its lm_head gradient P_head*c.
@@ -53,11 +55,11 @@ from dataclasses import dataclass, field
 
 from longdoc.parallel.api import Strategy, check_strategy
 from longdoc.parallel.layout import Layout, check_layout, num_chunks, round_up
-from longdoc.plan.autocast import autocast_layer_bytes_per_token
+from longdoc.plan import strategies
+from longdoc.plan.activations import LORA_TARGETS, layer_bytes_per_token  # noqa: F401 - re-exported
 from longdoc.plan.hardware import GIB, Device, Precision, check_precision, device
 from longdoc.plan.shapes import ModelShape, lora_params_per_layer
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 CATEGORIES = ("weights", "grads", "optimizer", "activations", "loss", "comm_buffers", "fsdp_buffers", "runtime",
               "slack")
 
@@ -72,9 +74,14 @@ class Setup:
     dp: int = 1
     micro_batch: int = 1
     strategy: Strategy = "ring"
+    ulysses_size: int | None = None  # usp only: ranks per Ulysses group (a divisor of cp); cp = ring x Ulysses
     layout: Layout = "zigzag"
     checkpointing: bool = True
     loss_chunk: int | None = 1024  # None: no chunking (the whole local sequence's logits at once)
+    # tokens of a sequence that carry a label (None: all, as in pretraining; QA rows: the answers). The chunked
+    # loss builds logits for those rows only; under zigzag they may all sit on one rank (a row's answers at its
+    # end land on rank 0), so a rank is planned with min(N, loss_tokens) of them
+    loss_tokens: int | None = None
     lora: bool = False
     lora_rank: int = 16
     lora_targets: tuple[str, ...] = LORA_TARGETS
@@ -92,8 +99,14 @@ class Setup:
         check_layout(self.layout)
         if min(self.seq_len, self.cp, self.dp, self.micro_batch) < 1:
             raise ValueError("seq_len, cp, dp and micro_batch must be positive")
+        if (self.strategy == "usp") != (self.ulysses_size is not None):
+            raise ValueError(f"ulysses_size goes with strategy 'usp' (and only with it); got {self.ulysses_size!r} "
+                             f"with {self.strategy!r}")
+        strategies.check_heads(self.strategy, self.cp, self.ulysses_size, self.shape.heads)
         if self.loss_chunk is not None and self.loss_chunk < 1:
             raise ValueError("loss_chunk must be positive (or None for no chunking)")
+        if self.loss_tokens is not None and self.loss_tokens < 1:
+            raise ValueError("loss_tokens must be positive (or None: every token has a label)")
 
     @property
     def dev(self) -> Device:
@@ -134,7 +147,14 @@ class Setup:
 
     @property
     def chunk(self) -> int:
-        return self.tokens if self.loss_chunk is None else min(self.loss_chunk, self.tokens)
+        return self.tokens if self.loss_chunk is None else min(self.loss_chunk, self.logit_rows)
+
+    @property
+    def logit_rows(self) -> int:
+        """Rows of logits a rank computes: its labelled tokens with the chunked loss, else all N."""
+        if self.loss_chunk is None or self.loss_tokens is None:
+            return self.tokens
+        return min(self.tokens, self.loss_tokens * self.micro_batch)
 
     @property
     def trainable(self) -> int:
@@ -190,39 +210,10 @@ class MemoryEstimate:
         return (self.total - self.breakdown["runtime"]) / GIB
 
 
-def layer_bytes_per_token(shape: ModelShape, c: int, lora: bool = False, lora_rank: int = 16,
-                          lora_targets: tuple[str, ...] = LORA_TARGETS, autocast: bool = False) -> float:
-    """A: bytes one decoder layer saves for backward per token (see the module docstring)."""
-    if autocast:
-        return autocast_layer_bytes_per_token(shape, c, lora, lora_rank, lora_targets)
-    h, q, kv, i, nh = shape.hidden, shape.q, shape.kv, shape.intermediate, shape.heads
-    attn = c * (3 * q + 2 * kv) + 4 * nh
-    if shape.fused_qkv:
-        attn += c * (q + kv)  # v is a view of the fused qkv output, which it keeps alive whole
-    qk = (4 * (q + kv) + 4 * (nh + shape.kv_heads) + c * (q + kv)) if shape.qk_norm else 0
-    # RMSNorm: fp32 input, rsqrt, normed, output; LayerNorm: input, mean, rstd, output.
-    norm_base, norm_out = ((c * h + 8, c * h) if shape.layernorm else (4 * h + 4, c * h))
-    normed = 0 if shape.layernorm else c * h
-    if not lora:
-        return 2 * (norm_base + normed + norm_out) + attn + qk + 4 * c * i
-    # Frozen weights: a frozen linear keeps no input, a norm with a frozen weight keeps no normed copy.
-    # What the adapters read is kept: the attention norm's output (q/k/v adapters), the o_proj input (in
-    # `attn`), and each adapter's rank-r intermediate. The MLP keeps gate, up and act for the gradient that
-    # flows to earlier layers, but not the product (down_proj is frozen).
-    targets = set(lora_targets)
-    norms = 2 * norm_base + (norm_out if {"q_proj", "k_proj", "v_proj"} & targets else 0)
-    mlp = 3 * c * i + (c * h if {"gate_proj", "up_proj"} & targets else 0) + (c * i if "down_proj" in targets else 0)
-    return norms + attn + qk + mlp + c * lora_rank * len(lora_targets)
-
-
-def _comm_buffers(s: Setup) -> float:
-    n, kv, c = s.tokens, s.shape.kv, s.c
-    if s.strategy == "ring":
-        double = 2 * (2 * n * kv * c)
-        dkv = (3 if s.cp > 1 else 1) * 2 * n * kv * 4
-        return double + dkv
-    full = s.cp * 2 * n * kv
-    return 2 * full * c + 2 * full * 4
+def _comm_buffers(s: Setup) -> tuple[float, str]:
+    sh = s.shape
+    return strategies.buffers(s.strategy, cp=s.cp, ulysses=s.ulysses_size, tokens=s.tokens, q_heads=sh.heads,
+                              kv_heads=sh.kv_heads, head_dim=sh.head_dim, c=s.c)
 
 
 def estimate(s: Setup) -> MemoryEstimate:
@@ -289,7 +280,7 @@ def estimate(s: Setup) -> MemoryEstimate:
 
     # backward of layer j (n-1 first): inputs of layers 0..j, gradients of the layers above, layer j's tensors
     mlp_tmp = 2 * c * n * i + 2 * r * n * h
-    comm = _comm_buffers(s)
+    comm, comm_formula = _comm_buffers(s)
     attn_tmp = 4 * n * q + 2 * c * n * q - 4 * c * n * i  # the MLP's saved part (4cNI) is freed by then
     grad_layer = (lora_params_per_layer(sh, s.lora_rank, s.lora_targets) if s.lora else p_l) * 4 / S
 
@@ -307,7 +298,7 @@ def estimate(s: Setup) -> MemoryEstimate:
         if attn_tmp + comm > mlp_tmp:
             terms += [T("attention backward workspace", "activations",
                         f"4Nq + 2cNq - 4cNI = {n:,}*(4*{q} + 2*{c}*{q} - 4*{c}*{i})", attn_tmp),
-                      T(f"{s.strategy} buffers", "comm_buffers", _comm_formula(s), comm)]
+                      T(f"{s.strategy} buffers", "comm_buffers", comm_formula, comm)]
         else:
             terms.append(T("MLP backward temporaries", "activations",
                            f"2cNI + 2{rs}Nh = 2*{n:,}*({c}*{i} + {r}*{h})", mlp_tmp))
@@ -357,14 +348,6 @@ def _autocast_weights(s: Setup) -> dict[str, list[Term]]:
     t = Term(f"autocast bf16 weights saved ({sh.layers} layers)", "activations",
              f"n*P_l*c = {sh.layers}*{sh.params.layer:,}*{c}", sh.layers * sh.params.layer * c)
     return {"forward": [t], "loss": [t, head_copy]}
-
-
-def _comm_formula(s: Setup) -> str:
-    n, kv, c = s.tokens, s.shape.kv, s.c
-    if s.strategy == "ring":
-        k = 3 if s.cp > 1 else 1
-        return f"2*(2*N*kv*c) + {k}*(2*N*kv*4) = 2*(2*{n:,}*{kv}*{c}) + {k}*(2*{n:,}*{kv}*4)"
-    return f"2*cp*2*N*kv*(c + 4) = 2*{s.cp}*2*{n:,}*{kv}*({c} + 4)"
 
 
 def _adam_temporaries(s: Setup) -> Term:

@@ -5,10 +5,11 @@
 
 Every (cp, dp = gpus/cp, strategy, activation checkpointing) the request leaves open is estimated with
 the formulas of `memory.py` (per-GPU peak memory, term by term) and `timing.py` (step time with
-communication overlap). The recommendation is the fitting candidate with the highest throughput; near
-ties (within 3%) go to the smaller cp, then the ring, then no checkpointing. When nothing fits, the
-plan says by how much, and what would make it fit: checkpointing, the chunked loss, LoRA, more GPUs,
-a bigger GPU, or the longest sequence that fits as asked. Works from a config alone (no weights).
+communication overlap; the four CP strategies: strategies.py). The recommendation is the fitting candidate with
+the highest throughput; near ties (within 3%) go to the smaller cp, then no checkpointing, then the faster.
+`Plan.reason` says why, with every strategy's step time at the chosen cp. When nothing fits, the plan says by
+how much, and what would make it fit: checkpointing, the chunked loss, LoRA, more GPUs, a bigger GPU, or the
+longest sequence that fits as asked. Works from a config alone (no weights).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from longdoc.parallel.api import STRATEGIES, Strategy, check_strategy
+from longdoc.parallel.ulysses import split_heads
+from longdoc.plan import strategies
 from longdoc.plan.hardware import (
     GIB,
     INTERCONNECTS,
@@ -46,8 +49,10 @@ class PlanRequest:
     cp: int | None = None
     dp: int | None = None
     strategy: Strategy | None = None
+    ulysses_size: int | None = None  # pin usp's Ulysses group size (None: every divisor 1 < U < cp)
     chunked_loss: bool = True
     loss_chunk: int = 1024
+    loss_tokens: int | None = None  # labelled tokens per sequence (None: all; QA rows: the answers)
     micro_batch: int = 1
     memory_gib: float | None = None  # override the device's memory
     # None: what training would use: bf16 on GPUs; on "cpu" what `train.mixed_precision: auto` picks on this
@@ -66,7 +71,12 @@ class PlanRequest:
         if self.seq_len < 2 or self.gpus < 1:
             raise ValueError("--seq-len must be at least 2 tokens and --gpus at least 1")
         if self.strategy is not None:
-            check_strategy(self.strategy)
+            check_strategy(self.strategy)  # the planner models every strategy
+        if self.ulysses_size is not None and self.strategy != "usp":
+            raise ValueError(f"--ulysses-size goes with --strategy usp (Ulysses inside groups of U ranks, the ring "
+                             f"across them); got --strategy {self.strategy}")
+        if self.ulysses_size is not None and (self.ulysses_size < 1 or (self.cp and self.cp % self.ulysses_size)):
+            raise ValueError(f"--ulysses-size {self.ulysses_size} must divide --cp {self.cp}")
         for name in ("cp", "dp"):
             value = getattr(self, name)
             if value is not None and (value < 1 or self.gpus % value):
@@ -100,7 +110,8 @@ class Candidate:
 
     def describe(self) -> str:
         s = self.setup
-        return (f"cp={s.cp} dp={s.dp} {s.strategy} {s.layout}, activation checkpointing "
+        kind = f"usp (Ulysses {s.ulysses_size} x ring {s.cp // s.ulysses_size})" if s.strategy == "usp" else s.strategy
+        return (f"cp={s.cp} dp={s.dp} {kind} {s.layout}, activation checkpointing "
                 f"{'on' if s.checkpointing else 'off'}, "
                 + (f"chunked loss ({s.loss_chunk} tokens)" if s.loss_chunk else "full logits (no chunked loss)")
                 + (", LoRA" if s.lora else "") + (", FSDP2" if s.uses_fsdp else ""))
@@ -108,7 +119,8 @@ class Candidate:
     def to_dict(self) -> dict:
         s = self.setup
         return {
-            "cp": s.cp, "dp": s.dp, "strategy": s.strategy, "layout": s.layout, "checkpointing": s.checkpointing,
+            "cp": s.cp, "dp": s.dp, "strategy": s.strategy, "ulysses_size": s.ulysses_size,
+            "layout": s.layout, "checkpointing": s.checkpointing,
             "loss_chunk": s.loss_chunk, "lora": s.lora, "fsdp": s.uses_fsdp, "tokens_per_rank": s.tokens,
             "fits": self.fits, "peak_gib": self.memory.total_gib, "peak_phase": self.memory.peak_phase,
             "allocator_gib": self.memory.allocator_gib,
@@ -129,6 +141,7 @@ class Plan:
     candidates: list[Candidate]
     best: Candidate | None
     suggestions: list[str] = field(default_factory=list)
+    reason: str = ""  # why the recommended strategy (shown by `longdoc plan`)
 
     @property
     def closest(self) -> Candidate:
@@ -146,6 +159,7 @@ class Plan:
             "assumptions": dataclasses.asdict(Assumptions()),
             "fits": self.best is not None,
             "recommended": self.best.to_dict() if self.best else None,
+            "reason": self.reason,
             "closest": None if self.best else self.closest.to_dict(),
             "suggestions": self.suggestions,
             "candidates": [c.to_dict() for c in self.candidates],
@@ -156,20 +170,56 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _layouts(req: PlanRequest, shape: ModelShape, cp: int) -> list[tuple[str, int | None]]:
+    """(strategy, ulysses_size) pairs open at this cp: at cp=1 one (all strategies are the same computation);
+    Ulysses needs at least as many query heads as its ranks; usp every proper factor U (or the pinned one)."""
+    if cp == 1 and not req.strategy:
+        return [("ring", None)]
+    out: list[tuple[str, int | None]] = []
+    for st in [req.strategy] if req.strategy else list(STRATEGIES):
+        if st == "usp":
+            us = [req.ulysses_size] if req.ulysses_size else [u for u in divisors(cp) if 1 < u < cp]
+            out += [("usp", u) for u in us if u <= shape.heads and cp % u == 0]
+        elif st != "ulysses" or cp <= shape.heads:
+            out.append((st, None))
+    if req.strategy and not out:
+        raise ValueError(f"--strategy {req.strategy} is open at no cp here: Ulysses needs as many query heads as its "
+                         f"ranks ({shape.heads} heads), and usp a factor 1 < U < cp; pin --cp or --ulysses-size")
+    return out
+
+
 def _setups(req: PlanRequest, shape: ModelShape) -> list[Setup]:
     cps = [req.cp] if req.cp else [req.gpus // req.dp] if req.dp else divisors(req.gpus)
-    strategies = [req.strategy] if req.strategy else list(STRATEGIES)
     acs = [req.checkpointing] if req.checkpointing is not None else [False, True]
-    return [Setup(shape=shape, seq_len=req.seq_len, cp=cp, dp=req.gpus // cp, micro_batch=req.micro_batch,
-                  strategy=st, checkpointing=ac, loss_chunk=req.loss_chunk if req.chunked_loss else None,
-                  lora=req.lora, device=req.gpu, precision=req.precision)
-            # at cp=1 both strategies are the same computation: list it once (as ring) unless asked
-            for cp in cps for st in strategies for ac in acs if cp > 1 or st == "ring" or req.strategy]
+    out = []
+    for cp in cps:
+        layouts = _layouts(req, shape, cp) if not (req.strategy and req.cp is None) else \
+            _open_layouts(req, shape, cp)
+        out += [Setup(shape=shape, seq_len=req.seq_len, cp=cp, dp=req.gpus // cp, micro_batch=req.micro_batch,
+                      strategy=st, ulysses_size=u, checkpointing=ac,
+                      loss_chunk=req.loss_chunk if req.chunked_loss else None, loss_tokens=req.loss_tokens,
+                      lora=req.lora, device=req.gpu,
+                      precision=req.precision)
+                for st, u in layouts for ac in acs]
+    if not out:
+        raise ValueError(f"--strategy {req.strategy} is open at no cp dividing --gpus {req.gpus}: Ulysses needs as "
+                         f"many query heads as its ranks ({shape.heads}), usp a factor 1 < U < cp")
+    return out
+
+
+def _open_layouts(req: PlanRequest, shape: ModelShape, cp: int) -> list[tuple[str, int | None]]:
+    """A pinned strategy without a pinned cp: the cps where it cannot run are skipped, not refused."""
+    try:
+        return _layouts(req, shape, cp)
+    except ValueError:
+        return []
 
 
 def _rank_key(c: Candidate) -> tuple:
+    # near ties: the smaller cp (more replicas), no checkpointing, then simply the faster; the strategy order
+    # (ring, allgather, ulysses, usp) only settles exact ties
     s = c.setup
-    return (s.cp, STRATEGIES.index(s.strategy), s.checkpointing)
+    return (s.cp, s.checkpointing, round(c.time.total, 6), STRATEGIES.index(s.strategy), -(s.ulysses_size or 0))
 
 
 def choose(candidates: list[Candidate]) -> Candidate | None:
@@ -187,7 +237,53 @@ def evaluate(req: PlanRequest, shape: ModelShape | None = None) -> Plan:
     for s in _setups(req, shape):
         cands.append(Candidate(setup=s, memory=estimate(s), time=estimate_time(s, req.interconnect),
                                capacity_gib=req.capacity_gib))
-    return Plan(request=req, shape=shape, candidates=cands, best=choose(cands))
+    best = choose(cands)
+    return Plan(request=req, shape=shape, candidates=cands, best=best, reason=explain(cands, best))
+
+
+def strategy_label(s: Setup) -> str:
+    return f"usp {s.ulysses_size}x{s.cp // s.ulysses_size}" if s.strategy == "usp" else s.strategy
+
+
+def _why_slower(c: Candidate) -> str:
+    s, t = c.setup, c.time
+    sh = s.shape
+    parts = [f"{t.seconds['exposed_comm']:.3g} s of communication exposed"]
+    u = strategies.ulysses_size(s.strategy, s.cp, s.ulysses_size)
+    bal = strategies.head_balance(sh.heads, sh.kv_heads, u)
+    if bal > 1.0001:
+        big = max(b - a for a, b in split_heads(sh.heads, sh.kv_heads, u).q)
+        parts.append(f"{sh.heads} query heads over {u} Ulysses ranks: the largest share ({big}) sets the kernel "
+                     f"time, x{bal:.2f}")
+    return "; ".join(parts)
+
+
+def explain(cands: list[Candidate], best: Candidate | None) -> str:
+    """Why `best`'s strategy: every strategy at the same cp, dp and checkpointing, with its step time and what
+    costs it time (exposed communication, uneven heads), or its memory if it does not fit."""
+    if best is None:
+        return ""
+    b = best.setup
+    peers = [c for c in cands if (c.setup.cp, c.setup.checkpointing) == (b.cp, b.checkpointing)]
+    if b.cp == 1:
+        return "cp=1: no context parallelism, every strategy is the same single-device attention"
+    rows = []
+    for c in sorted(peers, key=lambda c: c.time.total):
+        label = strategy_label(c.setup)
+        if not c.fits:
+            rows.append(f"{label} does not fit ({c.memory.total_gib:.2f} GiB)")
+            continue
+        delta = c.time.total / best.time.total - 1
+        rows.append(f"{label} {c.time.total:.4g} s/step" + ("" if c is best else f" ({delta:+.1%})")
+                    + f" [{_why_slower(c)}]")
+    fastest = max((c for c in cands if c.fits), key=lambda c: c.time.tokens_per_s)
+    if fastest is best:
+        head = f"{strategy_label(b)} is the fastest fitting configuration"
+    else:
+        head = (f"{strategy_label(b)} at cp={b.cp} is within {TIE:.0%} of the fastest ({fastest.describe()}, "
+                f"{fastest.time.total:.4g} s/step), and near ties go to the smaller cp, then no checkpointing, then "
+                f"the faster")
+    return f"{head}; at cp={b.cp} dp={b.dp}: " + "; ".join(rows)
 
 
 def plan(req: PlanRequest) -> Plan:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from longdoc.plan.hardware import GIB
-from longdoc.plan.planner import Candidate, Plan, PlanRequest
+from longdoc.plan.planner import Candidate, Plan, PlanRequest, strategy_label
 
 
 def _gib(x: float) -> str:
@@ -53,6 +53,7 @@ def render_plan(p: Plan, show_all: bool = False) -> str:
     lines = [head, _precision_line(r), ""]
     if p.best is not None:
         lines.append(f"RECOMMENDED: {p.best.describe()}")
+        lines.append(f"  why: {p.reason}")
         lines += render_candidate(p.best)
     else:
         lines.append("DOES NOT FIT: no configuration the options allow fits in "
@@ -60,13 +61,20 @@ def render_plan(p: Plan, show_all: bool = False) -> str:
         lines += [f"  - {s}" for s in p.suggestions]
         lines += ["", f"closest: {p.closest.describe()}"] + render_candidate(p.closest)
     rows = p.candidates if show_all else [c for c in p.candidates if c.fits] or p.candidates
-    lines += ["", f"{'cp':>3} {'dp':>3} {'strategy':<9} {'AC':<3} {'peak GiB':>9} {'fits':<4} {'s/step':>8} "
+    lines += ["", f"{'cp':>3} {'dp':>3} {'strategy':<10} {'AC':<3} {'peak GiB':>9} {'fits':<4} {'s/step':>8} "
                   f"{'tokens/s':>10} {'per GPU':>8}"]
-    for c in sorted(rows, key=lambda c: (c.setup.cp, c.setup.strategy, c.setup.checkpointing)):
+    for c in sorted(rows, key=lambda c: (c.setup.cp, c.setup.strategy, c.setup.ulysses_size or 0,
+                                         c.setup.checkpointing)):
         s = c.setup
-        lines.append(f"{s.cp:>3} {s.dp:>3} {s.strategy:<9} {'on' if s.checkpointing else 'off':<3} "
+        lines.append(f"{s.cp:>3} {s.dp:>3} {strategy_label(s):<10} {'on' if s.checkpointing else 'off':<3} "
                      f"{c.memory.total_gib:>9.2f} {'yes' if c.fits else 'no':<4} {c.time.total:>8.2f} "
                      f"{_tokens(c.time.tokens_per_s):>10} {_tokens(c.time.tokens_per_s_per_device):>8}")
-    lines += ["", "Memory formulas: longdoc/plan/memory.py; time: longdoc/plan/timing.py (assumed efficiencies: "
-                  "matmul 55%, attention 30%, links 80% of peak)."]
+    lines += ["", "Memory formulas: longdoc/plan/memory.py; time: longdoc/plan/timing.py and strategies.py (assumed "
+                  "efficiencies: matmul 55%, attention 30%, links 80% of peak)."]
+    if dev.is_gpu:
+        lines.append("GPU figures are formulas (vendor peaks x the assumed efficiencies), not yet measured on a "
+                     "device.")
+    else:
+        lines.append("CPU figures: the measured rate of this project's CPU kernels and gloo links (hardware.py; "
+                     "measured against runs in docs/guides/planning.md).")
     return "\n".join(lines)

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "data" / "configs"
+from longdoc.resources import resource_dir
+
+CONFIG_DIR = resource_dir("configs")  # data/configs in a checkout, a bundled copy in a wheel
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,7 +9,8 @@ FLOPs per rank (N = B*L/cp tokens, P_mm = parameters used in matmuls, q = heads*
   attention backward 2.5 x forward                              (flash backward: 5 matmuls to the forward's 2)
   recompute          full activation checkpointing runs every layer's forward again in the backward;
                      the chunked loss recomputes its lm_head forward: + 2 * N * V * h
-Time of compute = FLOPs / (peak * efficiency), with the efficiencies of `hardware.Assumptions`.
+Time of compute = FLOPs / (peak * efficiency), with the efficiencies of `hardware.Assumptions`; attention
+also x b / (b + knee) for query blocks of b tokens (`hardware.Device.attention_knee_tokens`, strategies.py).
 
 Communication (bandwidth b of the group's link, see hardware.link_gbps, x link efficiency):
   ring, per layer and pass: cp steps; step s computes 1/cp of the layer's attention while K/V
@@ -17,6 +18,8 @@ Communication (bandwidth b of the group's link, see hardware.link_gbps, x link e
     backward also sends the fp32 dK/dV accumulators (m_dkv = 2*N*kv*4) one step behind; the last one is
     exposed. Under checkpointing the recomputed forward runs the ring again.
   all-gather: no overlap: forward (cp-1)*m_kv / b, backward the same again + (cp-1)*m_dkv / b.
+  ulysses / usp: the all-to-alls are not overlapped; usp's outer ring overlaps like the ring. Bytes, links
+    and the head-balance factor: longdoc/plan/strategies.py.
   FSDP2, per layer: all-gather P_l*c*(S-1)/S (forward, and again in the backward), reduce-scatter of
     fp32 gradients P_l*4*(S-1)/S, prefetched: a layer takes max(its compute, its collectives).
   DDP (no FSDP): all-reduce 2*P_t*4*(W-1)/W, overlapped with the backward.
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from longdoc.plan import strategies
 from longdoc.plan.hardware import Assumptions, link_gbps
 from longdoc.plan.memory import Setup
 
@@ -42,16 +46,6 @@ class StepTime:
     tokens_per_s_per_device: float
 
 
-def _ring_pass(compute: float, cp: int, step_bytes: float, tail_bytes: float, bw: float, lat: float) -> float:
-    """One ring pass over cp steps: each step max(its compute, its message), plus an exposed tail message."""
-    if cp == 1:
-        return compute
-    per_step = compute / cp
-    msg = step_bytes / bw + lat
-    tail = tail_bytes / bw + lat if tail_bytes else 0.0
-    return (cp - 1) * max(per_step, msg) + per_step + tail
-
-
 def estimate_time(s: Setup, interconnect: str = "nvlink", assume: Assumptions | None = None) -> StepTime:
     assume = assume or Assumptions()
     sh, dev, n, c = s.shape, s.dev, s.tokens, s.c
@@ -59,30 +53,31 @@ def estimate_time(s: Setup, interconnect: str = "nvlink", assume: Assumptions | 
     mm_rate, attn_rate = (peak, peak) if dev.achieved else (peak * assume.matmul_efficiency,
                                                             peak * assume.attention_efficiency)
     lat = assume.latency_s
-    bw_cp = link_gbps(dev, interconnect, s.cp) * 1e9 * assume.link_efficiency
     bw_all = link_gbps(dev, interconnect, s.world) * 1e9 * assume.link_efficiency
 
     p_mm = sh.params.matmul
-    dense_f = 2.0 * n * p_mm
+    rows = s.logit_rows  # the chunked loss computes the lm_head only where a token has a label
+    dense_f = 2.0 * n * sh.params.layers + 2.0 * rows * (p_mm - sh.params.layers)
     dense_b = dense_f * (1.0 if s.lora else 2.0)
     layers_f = 2.0 * n * sh.params.layers
     balance = (2 * s.cp - 1) / s.cp if s.layout == "contiguous" and s.cp > 1 else 1.0
     attn_f_layer = 2.0 * s.micro_batch * s.padded_len**2 * sh.q / s.cp * balance
     attn_b_layer = 2.5 * attn_f_layer
-    recompute_dense = (layers_f if s.checkpointing else 0.0) + (2.0 * n * sh.vocab * sh.hidden if s.loss_chunk else 0.0)
+    recompute_dense = ((layers_f if s.checkpointing else 0.0)
+                       + (2.0 * rows * sh.vocab * sh.hidden if s.loss_chunk else 0.0))
     flops = {"dense": dense_f + dense_b, "attention": sh.layers * (attn_f_layer + attn_b_layer),
              "recompute": recompute_dense + (sh.layers * attn_f_layer if s.checkpointing else 0.0)}
 
-    # Attention per layer with its CP communication overlapped (ring) or not (all-gather).
-    m_kv, m_dkv = 2.0 * n * sh.kv * c, 2.0 * n * sh.kv * 4
-    t_af, t_ab = attn_f_layer / attn_rate, attn_b_layer / attn_rate
-    if s.strategy == "ring":
-        fwd = _ring_pass(t_af, s.cp, m_kv, 0.0, bw_cp, lat)
-        bwd = _ring_pass(t_ab, s.cp, m_kv + m_dkv, m_dkv, bw_cp, lat)
-    else:
-        gather = (s.cp - 1) * (m_kv / bw_cp + lat) if s.cp > 1 else 0.0
-        scatter = (s.cp - 1) * (m_dkv / bw_cp + lat) if s.cp > 1 else 0.0
-        fwd, bwd = t_af + gather, t_ab + gather + scatter
+    # Attention per layer with its CP communication: overlapped (ring), or not (all-gather, the all-to-alls)
+    # kernel efficiency by block size (ring: small zigzag chunks; Ulysses: one kernel over the sequence)
+    keff = strategies.kernel_efficiency(strategies.kernel_block(s.strategy, s.cp, s.ulysses_size, n),
+                                        dev.attention_knee_tokens)
+    t_af, t_ab = attn_f_layer / (attn_rate * keff), attn_b_layer / (attn_rate * keff)
+    layer = strategies.attention_layer(
+        s.strategy, cp=s.cp, ulysses=s.ulysses_size, tokens=n, q_heads=sh.heads, kv_heads=sh.kv_heads,
+        head_dim=sh.head_dim, c=c, t_fwd=t_af, t_bwd=t_ab, lat=lat,
+        bw_span=lambda ranks: link_gbps(dev, interconnect, ranks) * 1e9 * assume.link_efficiency)
+    fwd, bwd = layer.forward_s, layer.backward_s
     attn_fwd_s = fwd
     attn_bwd_s = bwd + (fwd if s.checkpointing else 0.0)
 
@@ -91,8 +86,7 @@ def estimate_time(s: Setup, interconnect: str = "nvlink", assume: Assumptions | 
     per_layer_dense_b = per_layer_dense_f * (1.0 if s.lora else 2.0) + (per_layer_dense_f if s.checkpointing else 0.0)
     layer_f = per_layer_dense_f + attn_fwd_s
     layer_b = per_layer_dense_b + attn_bwd_s
-    comm_bytes = {"cp": sh.layers * ((s.cp - 1) * m_kv * (3 if s.checkpointing else 2) + s.cp * m_dkv)
-                  if s.cp > 1 else 0.0}
+    comm_bytes = {"cp": sh.layers * (layer.forward_bytes * (2 if s.checkpointing else 1) + layer.backward_bytes)}
     if s.uses_fsdp:
         frac = (s.shards - 1) / s.shards
         ag = sh.params.layer * c * frac / bw_all + lat
@@ -105,13 +99,15 @@ def estimate_time(s: Setup, interconnect: str = "nvlink", assume: Assumptions | 
             allreduce = 2 * s.trainable * 4 * (s.world - 1) / s.world
             comm_bytes["ddp"] = allreduce
             body_b = max(body_b, allreduce / bw_all)
-    head_f = 2.0 * n * (p_mm - sh.params.layers) / mm_rate
+    head_f = 2.0 * rows * (p_mm - sh.params.layers) / mm_rate
     head_b = head_f * (1.0 if s.lora else 2.0) + (head_f if s.loss_chunk else 0.0)
     optimizer = 28.0 * s.trainable / s.shards / (dev.hbm_gbps * 1e9)
     passes = {"forward": body_f + head_f, "backward": body_b + head_b}
     total = passes["forward"] + passes["backward"] + optimizer
+    # Ulysses: the rank with the largest share of uneven query heads sets the attention time (compute, not comm)
+    bal = strategies.head_balance(sh.heads, sh.kv_heads, strategies.ulysses_size(s.strategy, s.cp, s.ulysses_size))
     compute = (flops["dense"] + recompute_dense) / mm_rate + (flops["attention"] + flops["recompute"]
-                                                              - recompute_dense) / attn_rate
+                                                              - recompute_dense) / attn_rate * bal / keff
     seconds = {"compute": compute, "exposed_comm": max(0.0, total - optimizer - compute), "optimizer": optimizer}
     tokens = s.dp * s.micro_batch * s.seq_len
     return StepTime(flops=flops, seconds=seconds, passes=passes, comm_bytes=comm_bytes, total=total,

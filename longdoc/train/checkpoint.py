@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from longdoc.errors import UserError
 from longdoc.io import fsync_dir, remove_dir
 
 _NAME = re.compile(r"^step-(\d{8})$")
@@ -35,7 +36,7 @@ STATE_FILE = "trainer.json"
 FORMAT_VERSION = 1
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint cannot be used; the message names the folder or file and what to do."""
 
 

@@ -10,10 +10,8 @@ in `checkpoint.evry` would otherwise cost a day of training without checkpoints)
 
 from __future__ import annotations
 
-import argparse
+import copy
 import dataclasses
-import difflib
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,30 +19,25 @@ from typing import Any, Literal
 
 import yaml
 
-from longdoc import cliargs
 from longdoc.parallel.api import STRATEGIES, Strategy
 from longdoc.parallel.layout import LAYOUTS, Layout
+from longdoc.train.recipe_parse import RecipeError, Tokens, parse_overrides  # noqa: F401 - re-exported
+from longdoc.train.recipe_parse import build as _build
+from longdoc.train.recipe_parse import check as _check
+from longdoc.train.recipe_parse import set_dotted as _set_dotted
 
-# Literal field types: a recipe value outside them is refused at load time with the valid choices (_coerce)
+# Literal field types: a recipe value outside them is refused at load time with the valid choices (recipe_parse.coerce)
 Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = typing.get_args(Dtype)
 OnNonfinite = Literal["skip", "abort"]
 Task = Literal["qa", "pretrain"]
+# data.mix sources: QA rows, LM loss on the documents themselves, plain text the user points to (replay),
+# and text the base model generates itself (self-synthesised rehearsal; longdoc.corpus.rehearsal)
+MixKind = Literal["qa", "documents", "text", "rehearsal"]
 Decay = Literal["cosine", "linear", "constant"]
 MIXED = ("auto", "no", "bf16")
 ROPE_TYPES = ("linear", "yarn")
 TRACKERS = ("auto", "wandb", "mlflow", "trackio")  # besides TensorBoard (log.tensorboard) and metrics.jsonl
-# A token count: an int that also reads k/M suffixes, as the command lines do (`data.seq_len=32k` = 32768)
-Tokens = typing.NewType("Tokens", int)
-
-
-class RecipeError(ValueError):
-    """A recipe key or value is wrong; the message names the key and the fix."""
-
-
-def _check(cond: bool, key: str, msg: str) -> None:
-    if not cond:
-        raise RecipeError(f"{key}: {msg}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -79,12 +72,65 @@ class LoraConfig:
     dropout: float = 0.0
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     merge_on_export: bool = True  # export a plain model with the adapter merged into the weights
+    # Besides the adapters, train full copies of these (peft modules_to_save; LongLoRA trains embeddings and
+    # norms when extending the context). The base weights stay untouched, so the frozen base (KL terms,
+    # `model.disable_adapter()`) is still the original model, and checkpoints hold the copies.
+    train_embeddings: bool = False  # the input embeddings (and a tied lm_head with them)
+    train_norms: bool = False  # every RMSNorm / LayerNorm (modules whose name ends in "norm")
+    modules_to_save: list[str] = field(default_factory=list)  # more module names, peft's modules_to_save
 
     def __post_init__(self):
         _check(self.r > 0, "lora.r", f"must be positive, got {self.r}")
         _check(self.alpha > 0, "lora.alpha", f"must be positive, got {self.alpha}")
         _check(0.0 <= self.dropout < 1.0, "lora.dropout", f"must be in [0, 1), got {self.dropout}")
         _check(bool(self.target_modules), "lora.target_modules", "list at least one module name")
+
+
+@dataclass(kw_only=True, slots=True)
+class MixSource:
+    """One source of a training mix (`data.mix`): which rows, how often, and how their tokens count.
+
+    The loss of an optimizer step is sum(w * CE) / sum(w) over every target token of the step (w: the
+    token's loss weight below) plus, where kl_weight > 0, kl_weight-weighted KL(base || tuned) summed over
+    those tokens / their count: both exact under any dp x cp layout (longdoc/train/loss.py)."""
+
+    source: MixKind = "qa"
+    path: str = ""  # qa/documents/text: like data.path; rehearsal: the cache file (default: a cache folder)
+    weight: float = 1.0  # share of the training rows drawn from this source (normalised over the mix)
+    loss_weight: float = 1.0  # loss weight of the source's own targets: answers (qa) or every token
+    document_loss_weight: float = 0.0  # qa: loss weight of the document tokens of each row (0: answers only)
+    kl_weight: float = 0.0  # KL toward the frozen base (LoRA) on the context tokens: qa documents, else every token
+    pack: bool = False  # documents/text/rehearsal: pack short documents into rows of data.seq_len
+    text_field: str | None = None  # documents/text: the text field (null picks text/document/content)
+    questions_per_row: int | None = None  # qa: as data.questions_per_row
+    max_sequences: int | None = None  # use only the first N rows (documents) of this source
+    samples: int = 64  # rehearsal: conversations the base model generates (once, then cached)
+    max_new_tokens: Tokens = 384  # rehearsal: tokens per generated turn
+    seed: int = 0  # rehearsal: sampling seed
+
+    def __post_init__(self):
+        kinds = typing.get_args(MixKind)
+        _check(self.source in kinds, "data.mix.source", f"must be one of {kinds}, got {self.source!r}")
+        _check(self.source == "rehearsal" or bool(self.path), "data.mix.path",
+               f"a {self.source!r} source needs a path (documents, text or prepared rows, like data.path)")
+        _check(self.weight > 0, "data.mix.weight", f"must be positive (a share of the rows), got {self.weight}")
+        for name in ("loss_weight", "document_loss_weight", "kl_weight"):
+            _check(getattr(self, name) >= 0, f"data.mix.{name}", f"must be >= 0, got {getattr(self, name)}")
+        _check(self.source == "qa" or self.document_loss_weight == 0, "data.mix.document_loss_weight",
+               "applies to qa sources only (documents/text sources already train on every token)")
+        _check(self.source != "qa" or not self.pack, "data.mix.pack", "applies to documents/text/rehearsal "
+               "sources (a QA row already holds one document and its questions)")
+        _check(self.loss_weight + self.document_loss_weight + self.kl_weight > 0, "data.mix.loss_weight",
+               "this source would contribute nothing: give it a loss_weight, document_loss_weight or kl_weight")
+        _check(self.max_sequences is None or self.max_sequences > 0, "data.mix.max_sequences", "must be positive")
+        _check(self.questions_per_row is None or self.questions_per_row > 0, "data.mix.questions_per_row",
+               "must be positive, or null for all that fit")
+        _check(self.samples > 0 and self.max_new_tokens > 0, "data.mix.samples", "rehearsal samples and "
+               "max_new_tokens must be positive")
+
+    @property
+    def task(self) -> Task:
+        return "qa" if self.source == "qa" else "pretrain"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -97,10 +143,15 @@ class DataConfig:
     questions_per_row: int | None = None  # qa: question/answer turns per row; null = all of a document's that fit
     shuffle: bool = True
     random_size: int = 64  # number of sequences when path == "random" (benchmarks, tests)
+    pack: bool = False  # pretrain from raw documents: pack short documents into rows of seq_len
+    # several sources with weights instead of data.path (see MixSource); data.seq_len and shuffle apply to all
+    mix: list[MixSource] = field(default_factory=list)
 
     def __post_init__(self):
-        _check(bool(self.path), "data.path", "name a jsonl file or folder (make one with `longdoc data synth "
-               "--domain legal`), or 'random' for random tokens")
+        _check(bool(self.path) or bool(self.mix), "data.path", "name a jsonl file or folder (make one with "
+               "`longdoc data synth --domain legal`), 'random' for random tokens, or give data.mix")
+        _check(not (self.path and self.mix), "data.mix", "cannot be combined with data.path: put that path in the "
+               "mix as a source ({source: qa, path: ...})")
         _check(self.task in typing.get_args(Task), "data.task", f"must be 'qa' or 'pretrain', got {self.task!r}")
         _check(self.seq_len >= 2, "data.seq_len", f"must be at least 2 tokens, got {self.seq_len}")
         _check(self.max_sequences is None or self.max_sequences > 0, "data.max_sequences", "must be positive")
@@ -146,14 +197,27 @@ class TrainConfig:
     layout: Layout = "zigzag"
     strategy: Strategy = "ring"
     comm_timeout: float = 600.0  # seconds any collective may wait before the run fails
+    # seconds without a heartbeat from another rank before this one stops and names it (a dead node is
+    # reported within this, however long a step is; longdoc.train.peers); 0 turns the watch off
+    peer_timeout: float = 30.0
+    ddp_bucket_cap_mb: float | None = None  # DDP's gradient bucket size in MB (None: DDP's default, 25)
+    # check every collective longdoc issues (sequence number, op tag, size) across its group first, and that
+    # every trainable parameter gets a gradient in every backward (also LONGDOC_DEBUG_COLLECTIVES=1)
+    debug_collectives: bool = False
     on_nonfinite: OnNonfinite = "skip"  # a NaN/Inf loss or gradient: "skip" the step (counted) or "abort"
     max_skipped_steps: int = 10  # abort after this many skipped steps in a row
     # CPU (glibc): hand freed tensor memory back to the OS at once instead of keeping 0.5-2 GiB of it per
     # process (a few percent of step time; longdoc.train.metrics.return_freed_memory)
     release_freed_memory: bool = True
+    # MoE models: the router's auxiliary load-balancing loss, from the whole sequence's statistics under CP.
+    # null keeps the model's own config (output_router_logits / router_aux_loss_coef); a number >= 0 sets the
+    # coefficient (0 switches the auxiliary loss off). Logged as aux_loss.
+    router_aux_loss_coef: float | None = None
 
     def __post_init__(self):
         _check(self.steps > 0, "train.steps", f"must be positive, got {self.steps}")
+        _check(self.router_aux_loss_coef is None or self.router_aux_loss_coef >= 0, "train.router_aux_loss_coef",
+               f"must be null (the model's own) or a number >= 0, got {self.router_aux_loss_coef}")
         _check(self.batch_size > 0, "train.batch_size", "must be positive")
         _check(self.micro_batch_size > 0, "train.micro_batch_size", "must be positive")
         _check(self.batch_size % self.micro_batch_size == 0, "train.batch_size",
@@ -164,6 +228,9 @@ class TrainConfig:
         _check(self.layout in LAYOUTS, "train.layout", f"must be one of {LAYOUTS}, got {self.layout!r}")
         _check(self.strategy in STRATEGIES, "train.strategy", f"must be one of {STRATEGIES}, got {self.strategy!r}")
         _check(self.comm_timeout > 0, "train.comm_timeout", "must be positive seconds")
+        _check(self.peer_timeout >= 0, "train.peer_timeout", "must be >= 0 seconds (0 turns the lost-peer watch off)")
+        _check(self.ddp_bucket_cap_mb is None or self.ddp_bucket_cap_mb > 0, "train.ddp_bucket_cap_mb",
+               "must be positive MB (or null for DDP's default)")
         _check(self.on_nonfinite in typing.get_args(OnNonfinite), "train.on_nonfinite", "must be 'skip' or 'abort'")
         _check(self.max_skipped_steps >= 0, "train.max_skipped_steps", "must be >= 0")
 
@@ -223,6 +290,8 @@ class EvalConfig:
 class Recipe:
     output_dir: str = "runs/default"
     cp_size: int = 1  # context-parallel group size; world = dp x cp
+    # train.strategy=usp only: ranks per Ulysses group (a divisor of cp_size); cp = ring_size x ulysses_size
+    ulysses_size: int | None = None
     resume: bool = False  # continue from the latest complete checkpoint in OUTPUT/checkpoints
     overwrite: bool = False  # start over in an output_dir that holds another run's checkpoints (deletes them)
     seed: int = 0
@@ -238,7 +307,18 @@ class Recipe:
     def __post_init__(self):
         _check(bool(self.output_dir), "output_dir", "must name a folder for checkpoints, logs and the model")
         _check(self.cp_size >= 1, "cp_size", f"must be >= 1, got {self.cp_size}")
+        divisors = [d for d in range(1, self.cp_size + 1) if self.cp_size % d == 0]
+        _check((self.train.strategy == "usp") == (self.ulysses_size is not None), "ulysses_size",
+               f"goes with train.strategy=usp, which factors cp_size={self.cp_size} as ring x Ulysses: set both "
+               f"(ulysses_size one of {divisors}) or neither; got {self.ulysses_size} with {self.train.strategy!r}")
+        _check(self.ulysses_size is None or self.ulysses_size in divisors, "ulysses_size",
+               f"must be a divisor of cp_size={self.cp_size} ({divisors}), got {self.ulysses_size!r}")
         _check(not (self.resume and self.overwrite), "overwrite", "cannot be combined with resume=true")
+        _check(self.lora.enabled or not any(m.kl_weight for m in self.data.mix), "data.mix.kl_weight",
+               "needs lora.enabled: the frozen base is the model with its adapters disabled (no second copy of the "
+               "weights); for full fine-tuning use a rehearsal or text source instead")
+        _check(not (self.data.mix and self.eval.holdout), "eval.holdout",
+               "is not supported with data.mix (which source would it hold out?); set eval.path to held-out rows")
         _check(self.optim.warmup_steps <= self.train.steps, "optim.warmup_steps",
                f"({self.optim.warmup_steps}) exceeds train.steps ({self.train.steps})")
 
@@ -260,115 +340,9 @@ class Recipe:
         return out
 
 
-# ---- building dataclasses from plain data, with the checks a user needs ----
-
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        rest = [a for a in args if a is not type(None)]
-        return _coerce(value, rest[0], key)
-    if origin is Literal:
-        _check(value in typing.get_args(tp), key, f"must be one of {typing.get_args(tp)}, got {value!r}")
-        return value
-    if origin is list:
-        (item,) = typing.get_args(tp)
-        if isinstance(value, str):  # `key=a,b` on the command line
-            value = [v for v in value.split(",") if v]
-        _check(isinstance(value, (list, tuple)), key, f"must be a list, got {value!r}")
-        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        _check(isinstance(value, dict), key, f"must be a mapping, got {value!r}")
-        return dict(value)
-    if dataclasses.is_dataclass(tp):
-        _check(isinstance(value, dict), key, f"must be a section (mapping of keys), got {value!r}")
-        return _build(tp, value, key + ".")
-    if tp is bool:
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
-            return value.lower() in ("true", "yes", "1")
-        _check(isinstance(value, bool), key, f"must be true or false, got {value!r}")
-        return value
-    if tp is Tokens:
-        if isinstance(value, str):
-            try:
-                value = cliargs.length(value.replace("_", ""))
-            except argparse.ArgumentTypeError:
-                _check(False, key, f"must be a token count such as 4096, 4k or 1M (k = 1024), got {value!r}")
-        tp = int
-    if tp is int:
-        if isinstance(value, str):
-            try:
-                value = int(value.replace("_", ""))
-            except ValueError:
-                pass
-        _check(isinstance(value, int) and not isinstance(value, bool), key, f"must be an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, str):  # YAML 1.1 reads `1e-4` (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        _check(isinstance(value, (int, float)) and not isinstance(value, bool), key,
-               f"must be a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        _check(isinstance(value, (str, int, float)) and not isinstance(value, bool), key,
-               f"must be a string, got {value!r}")
-        return str(value)
-    return value
-
-
-def _build(cls: type, data: dict, prefix: str = ""):
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = [k for k in data if k not in names]
-    if unknown:
-        k = unknown[0]
-        close = difflib.get_close_matches(str(k), names, n=1)
-        hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
-        raise RecipeError(f"unknown recipe key {prefix}{k}{hint}; valid keys here: "
-                          + ", ".join(prefix + n for n in names))
-    kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in data.items()}
-    try:
-        return cls(**kwargs)
-    except TypeError as e:  # a required key is missing
-        raise RecipeError(f"{prefix or 'recipe'}: {e}") from e
-
-
-def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    node = tree
-    for p in parts[:-1]:
-        nxt = node.setdefault(p, {})
-        if not isinstance(nxt, dict):
-            raise RecipeError(f"override {dotted}: {p} is a value, not a section")
-        node = nxt
-    node[parts[-1]] = value
-
-
-def parse_overrides(items: list[str]) -> list[tuple[str, Any]]:
-    out = []
-    for item in items:
-        if "=" not in item:
-            raise RecipeError(f"override {item!r} must look like key=value (dotted keys: train.steps=5)")
-        key, raw = item.split("=", 1)
-        key = key.strip()
-        if not key:
-            raise RecipeError(f"override {item!r} has an empty key")
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError:
-            value = raw
-        out.append((key, value))
-    return out
-
-
 def recipe_from_dict(data: dict | None, overrides: list[str] | None = None) -> Recipe:
     """A checked Recipe from plain data (e.g. parsed YAML) and `key=value` overrides."""
-    tree = dict(data or {})
+    tree = copy.deepcopy(dict(data or {}))  # overrides edit nested sections and list items in place
     if not isinstance(tree, dict):
         raise RecipeError("a recipe must be a YAML mapping of keys to values")
     for key, value in parse_overrides(overrides or []):
@@ -382,7 +356,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise RecipeError(f"recipe file {p} does not exist (recipes live in recipes/*.yaml)")
+            raise RecipeError(f"recipe file {p} does not exist (`longdoc recipes` lists the shipped ones, --copy DIR)")
         try:
             data = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:

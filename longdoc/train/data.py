@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,13 +26,40 @@ from longdoc.train.config import DataConfig, RecipeError
 IGNORE = -100
 
 
+@dataclass(frozen=True)
+class TokenWeights:
+    """How a source's tokens count (a `data.mix` source; the defaults are plain training rows).
+
+    loss: weight of the row's own targets (answers of QA rows, every token of LM rows); document: weight of
+    the document tokens of QA rows (`doc_span`), which then become targets too; kl: weight of KL(base ||
+    tuned) on the context tokens (QA rows: the document; LM rows: every target)."""
+
+    loss: float = 1.0
+    document: float = 0.0
+    kl: float = 0.0
+
+    @property
+    def plain(self) -> bool:
+        return self == TokenWeights()
+
+
 class Sequences:
     """Training rows: input_ids and unshifted labels (-100 = no loss), read lazily from a `datasets.Dataset`
-    (memory-mapped Arrow: a corpus of 128k-token rows is not copied into every rank's Python heap)."""
+    (memory-mapped Arrow: a corpus of 128k-token rows is not copied into every rank's Python heap).
 
-    def __init__(self, ds, source: str):
+    `weights` (TokenWeights) turn a source's rows into weighted ones: `targets(i)` then gives per-token loss
+    and KL weights beside the labels, aligned with them (weight[t] counts the prediction of token t)."""
+
+    def __init__(self, ds, source: str, weights: TokenWeights | None = None):
         self.has_positions = "position_ids" in ds.column_names
-        columns = ["input_ids", "labels"] + (["position_ids"] if self.has_positions else [])
+        self.weights = weights or TokenWeights()
+        self.has_doc_span = "doc_span" in ds.column_names
+        if (self.weights.document or self.weights.kl) and not self.has_doc_span and _is_qa(ds):
+            raise RecipeError(f"data.mix: {source} holds QA rows without doc_span (prepared by an older longdoc), "
+                              f"so document_loss_weight / kl_weight cannot find the document; prepare them again or "
+                              f"give the raw documents")
+        columns = ["input_ids", "labels"] + (["position_ids"] if self.has_positions else []) \
+            + (["doc_span"] if self.has_doc_span else [])
         self.ds = ds.with_format("torch", columns=columns)
         self.source = source
         self._fingerprint: dict | None = None
@@ -39,9 +67,37 @@ class Sequences:
     def __len__(self) -> int:
         return len(self.ds)
 
+    @property
+    def weighted(self) -> bool:
+        """Rows whose targets carry weights other than 1 (the loss is then sum(w * CE) / sum(w))."""
+        return not self.weights.plain
+
     def row(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, labels); with a document loss weight the document tokens of QA rows are labels too."""
         r = self.ds[int(i)]
-        return r["input_ids"].long(), r["labels"].long()
+        ids, labels = r["input_ids"].long(), r["labels"].long()
+        if self.weights.document and self.has_doc_span:
+            a, b = (int(x) for x in r["doc_span"])
+            labels = labels.clone()
+            labels[a:b] = ids[a:b]
+        return ids, labels
+
+    def targets(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(labels, loss weights, KL weights) of row i, each (len,), aligned with the unshifted labels."""
+        r = self.ds[int(i)]
+        ids, own = r["input_ids"].long(), r["labels"].long()
+        labels = own.clone()
+        w = torch.where(own != IGNORE, self.weights.loss, 0.0).double()
+        kl = torch.zeros_like(w)
+        if self.has_doc_span:  # QA rows: the context tokens are the document
+            a, b = (int(x) for x in r["doc_span"])
+            if self.weights.document:
+                labels[a:b] = ids[a:b]
+                w[a:b] = self.weights.document
+            kl[a:b] = self.weights.kl
+        elif self.weights.kl:
+            kl = torch.where(own != IGNORE, self.weights.kl, 0.0).double()
+        return labels, w, kl
 
     def position_ids(self, i: int) -> torch.Tensor | None:
         """The row's position ids when it packs several documents (they restart at 0), else None."""
@@ -74,6 +130,10 @@ class Sequences:
 
     def fingerprint(self) -> dict:
         return self._fingerprint if self._fingerprint is not None else {"sequences": len(self.ds)}
+
+
+def _is_qa(ds) -> bool:
+    return "qa_id" in ds.column_names or "qa_ids" in ds.column_names
 
 
 def _dataset(columns: dict[str, list]):
@@ -181,7 +241,7 @@ def _prepare(cfg: DataConfig, tokenizer, seed: int, rows_needed: int | None = No
     from longdoc.corpus.prepare import prepare
 
     def run(epochs: int):
-        return prepare(cfg.path, tokenizer, task=cfg.task, target_tokens=cfg.seq_len, seed=seed,
+        return prepare(cfg.path, tokenizer, task=cfg.task, target_tokens=cfg.seq_len, seed=seed, pack=cfg.pack,
                        fields=Fields(text=cfg.text_field), questions_per_row=cfg.questions_per_row, epochs=epochs)
 
     try:
@@ -261,6 +321,22 @@ def loss_tokens(seqs: Sequences, indices: Sequence[int]) -> int:
     return sum(int(seqs.loss_targets(i).sum()) for i in indices)
 
 
+def step_denominators(seqs, indices: Sequence[int]) -> tuple[float, int]:
+    """(sum of the loss weights, number of KL tokens) over the targets of these rows: the denominators of
+    the step's loss (longdoc.train.loss.LossModel). Unweighted rows: (loss_tokens, 0)."""
+    if not seqs.weighted:
+        return float(loss_tokens(seqs, indices)), 0
+    total, n_kl = 0.0, 0
+    for i in indices:
+        labels, w, kl = seqs.targets(i)
+        valid = labels[1:] != IGNORE
+        pos = seqs.position_ids(i)
+        across = pos[1:] == 0 if pos is not None else torch.zeros_like(valid)  # a packed document's end
+        total += float(w[1:][valid & ~across].sum())
+        n_kl += int(((kl[1:] > 0) & ~across).sum())
+    return total, n_kl
+
+
 def num_tokens(seqs: Sequences, indices: Sequence[int]) -> int:
     return sum(int(seqs.row(i)[0].numel()) for i in indices)
 
@@ -277,6 +353,14 @@ def collate(seqs: Sequences, indices: Sequence[int], pad_id: int) -> dict[str, t
         ids[r, :x.numel()] = x
         labels[r, :y.numel()] = y
     batch = {"input_ids": ids, "labels": labels}
+    if getattr(seqs, "weighted", False):  # per-token loss and KL weights, aligned with the labels
+        batch["loss_weights"] = torch.zeros((len(rows), length), dtype=torch.float64)
+        batch["kl_weights"] = torch.zeros((len(rows), length), dtype=torch.float64)
+        for r, i in enumerate(indices):
+            y, w, kl = seqs.targets(i)
+            labels[r, :y.numel()] = y
+            batch["loss_weights"][r, :w.numel()] = w
+            batch["kl_weights"][r, :kl.numel()] = kl
     if any(p is not None for p in positions):
         pos = torch.zeros((len(rows), length), dtype=torch.long)
         for r, ((x, _), p) in enumerate(zip(rows, positions)):
@@ -285,3 +369,18 @@ def collate(seqs: Sequences, indices: Sequence[int], pad_id: int) -> dict[str, t
             pos[r, n:] = torch.arange(length - n)
         batch["position_ids"] = pos
     return batch
+
+
+def shard_target_weights(batch: dict[str, torch.Tensor], weights: torch.Tensor, cp) -> torch.Tensor:
+    """(batch, local_len) float: per-token `weights` of a full collated batch (aligned with its unshifted
+    labels) shifted as cp.shard_batch shifts the labels and laid out as its tokens, so weight[t] goes with
+    shift_labels[t]; 0 on the internal padding and at a packed document's last token (it predicts nothing)."""
+    from longdoc.parallel.batch import source_index
+
+    shifted = torch.zeros_like(weights)
+    shifted[:, :-1] = weights[:, 1:]
+    if "position_ids" in batch:
+        shifted[:, :-1].masked_fill_(batch["position_ids"][:, 1:] == 0, 0.0)
+    index = source_index({k: batch[k] for k in ("input_ids", "position_ids") if k in batch}, cp)
+    local = shifted.gather(1, index.clamp_min(0))
+    return local.masked_fill(index < 0, 0.0)

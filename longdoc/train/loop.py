@@ -27,11 +27,21 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from longdoc.hf import router
+from longdoc.parallel.batch import ROW_LENGTHS
 from longdoc.train import checkpoint
 from longdoc.train.config import Recipe, RecipeError
-from longdoc.train.data import StepSchedule, collate, load_sequences, loss_tokens, num_tokens
-from longdoc.train.loss import ChunkStats, LossModel, check_head
+from longdoc.train.data import (
+    StepSchedule,
+    collate,
+    load_sequences,
+    num_tokens,
+    shard_target_weights,
+    step_denominators,
+)
+from longdoc.train.loss import ChunkStats, LossModel, base_causal_lm, check_head
 from longdoc.train.metrics import JSONLTracker, PeakMemory, Progress, plot_loss
+from longdoc.train.mix import MixSchedule, describe, load_mix
 from longdoc.train.modeling import build, export, trainable_parameters
 from longdoc.train.validation import EarlyStopping, due, extra_trackers, split_held_out, validation_loss
 from longdoc.train.world import World, start
@@ -50,6 +60,7 @@ class StepInfo:
     skipped: bool
     world: World | None = field(default=None, repr=False)
     val_loss: float | None = None  # held-out token-mean loss, on steps that validated
+    aux_loss: float | None = None  # MoE models: the router auxiliary loss, mean over the step's forwards
 
 
 @dataclass
@@ -115,14 +126,6 @@ def _check_output(out: Path) -> None:
         raise RecipeError(f"output_dir {out} is not writable ({e}); choose another output_dir=...") from e
 
 
-def _all_reduce(values: list[float], op, device: torch.device) -> list[float]:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return values
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=op)
-    return t.tolist()
-
-
 def _probe_head(loss_model, world: World, seqs, pad_id: int, name: str) -> None:
     # A short sequence through both the model's own logits and the chunked path (same on all ranks),
     # after Accelerate placed and wrapped the model, so it runs where and as training will.
@@ -155,8 +158,6 @@ def _resume_checks(state: dict, recipe: Recipe, fingerprint: dict, world: World,
 
 def train(recipe: Recipe, *, on_step: Callable[[StepInfo], None] | None = None) -> TrainResult:
     """Run (or resume) the recipe on every launched rank; return the loss history and output paths."""
-    from accelerate.utils import set_seed
-
     out = Path(recipe.output_dir)
     ck_root = out / "checkpoints"
     _check_output(out)
@@ -171,6 +172,18 @@ def train(recipe: Recipe, *, on_step: Callable[[StepInfo], None] | None = None) 
     more_trackers, tracker_kwargs = extra_trackers(recipe.log, out)
     trackers += more_trackers
     world = start(recipe, log_with=trackers)
+    finished = False
+    try:
+        result = _train(recipe, world, on_step, out, ck_root, resume_dir, tracker_kwargs)
+        finished = True
+        return result
+    finally:  # a rank that raised stops its heartbeat without "done": its peers report it lost
+        world.close(finished)
+
+
+def _train(recipe: Recipe, world: World, on_step, out: Path, ck_root: Path, resume_dir, tracker_kwargs) -> TrainResult:
+    from accelerate.utils import set_seed
+
     acc = world.accelerator
 
     def say(msg: str) -> None:
@@ -191,17 +204,28 @@ def train(recipe: Recipe, *, on_step: Callable[[StepInfo], None] | None = None) 
     model, tokenizer = build(recipe.model, recipe.lora, recipe.train, world.cp, recipe.data.seq_len)
     vocab = model.get_input_embeddings().num_embeddings
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    seqs = load_sequences(recipe.data, tokenizer, vocab, recipe.seed, main_first=acc.main_process_first,
-                          rows_needed=recipe.train.steps * recipe.train.batch_size + recipe.eval.holdout)
+    rows_needed = recipe.train.steps * recipe.train.batch_size + recipe.eval.holdout
+    if recipe.data.mix:
+        seqs = load_mix(recipe.data, tokenizer, vocab, recipe.seed, main_first=acc.main_process_first,
+                        rows_needed=rows_needed, model_name=recipe.model.name)
+        schedule = MixSchedule([len(p) for p in seqs.parts], [m.weight for m in recipe.data.mix],
+                               recipe.train.batch_size, recipe.train.micro_batch_size, world.dp_size, recipe.seed,
+                               recipe.data.shuffle)
+        say(f"data.mix over {recipe.train.steps} steps: {describe(seqs, schedule, recipe.train.steps)}")
+    else:
+        seqs = load_sequences(recipe.data, tokenizer, vocab, recipe.seed, main_first=acc.main_process_first,
+                              rows_needed=rows_needed)
     seqs, held_out = split_held_out(recipe, seqs, tokenizer, vocab, main_first=acc.main_process_first)
     stopper = EarlyStopping(recipe.eval.patience, recipe.eval.min_delta)
-    schedule = StepSchedule(len(seqs), recipe.train.batch_size, recipe.train.micro_batch_size, world.dp_size,
-                            recipe.seed, recipe.data.shuffle)
+    if not recipe.data.mix:
+        schedule = StepSchedule(len(seqs), recipe.train.batch_size, recipe.train.micro_batch_size, world.dp_size,
+                                recipe.seed, recipe.data.shuffle)
     logit_rows = ChunkStats()  # the largest logits block per step goes to the metrics: never the full sequence
     model.get_output_embeddings().register_forward_hook(logit_rows)
     loss_model = LossModel(model, recipe.train.loss_chunk_tokens)
     optimizer = _optimizer(loss_model, recipe)
     loss_model, optimizer = acc.prepare(loss_model, optimizer)
+    coverage = world.reduce_gradients(loss_model)  # DDP: buckets on the grads group (longdoc.train.world)
     _probe_head(loss_model, world, seqs, pad_id, recipe.model.name)
     raw_optimizer = getattr(optimizer, "optimizer", optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(raw_optimizer, lr_lambda(recipe))
@@ -239,8 +263,8 @@ def train(recipe: Recipe, *, on_step: Callable[[StepInfo], None] | None = None) 
         logit_rows.max_rows = 0
         t0 = time.perf_counter()
         step_idx = schedule.step_indices(step)
-        loss, grad_norm, local_tokens = _forward_backward(acc, world, loss_model, params, seqs, schedule, step,
-                                                          pad_id, recipe.optim.max_grad_norm)
+        loss, grad_norm, local_tokens, aux = _forward_backward(acc, world, loss_model, params, seqs, schedule,
+                                                               step, pad_id, recipe.optim.max_grad_norm, coverage)
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if finite:
             optimizer.step()
@@ -262,15 +286,17 @@ def train(recipe: Recipe, *, on_step: Callable[[StepInfo], None] | None = None) 
         step_s = time.perf_counter() - t0
         tokens = num_tokens(seqs, step_idx)
         mine = peak.peak_gb()
-        (peak_max,) = _all_reduce([mine], dist.ReduceOp.MAX, world.device)
+        (peak_max,) = world.all_reduce([mine], dist.ReduceOp.MAX, "peak memory")
         info = StepInfo(step + 1, loss, lr, grad_norm, tokens, step_s, mine, peak_max, not finite, world)
+        info.aux_loss = aux if acc.unwrap_model(loss_model).aux is not None else None
         history.append(info)
         progress.update(loss, tokens / step_s, step_s, peak_max, lr)
         if (step + 1) % recipe.log.every == 0 or step + 1 == recipe.train.steps:
             acc.log({"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
                      "tokens_per_s": tokens / step_s, "step_s": step_s, "peak_gb": mine, "peak_gb_max": peak_max,
                      "epoch": schedule.epoch(step + 1), "skipped": skipped_total,
-                     "logit_rows_max": logit_rows.max_rows, "local_tokens": local_tokens},
+                     "logit_rows_max": logit_rows.max_rows, "local_tokens": local_tokens,
+                     **({"aux_loss": info.aux_loss} if info.aux_loss is not None else {})},
                     step=step + 1)
         if held_out is not None and due(recipe.eval, step + 1, step + 1 == recipe.train.steps):
             info.val_loss = validation_loss(loss_model, world, held_out, recipe.train.micro_batch_size, pad_id)
@@ -308,34 +334,56 @@ def train(recipe: Recipe, *, on_step: Callable[[StepInfo], None] | None = None) 
 
 
 def _forward_backward(acc, world: World, loss_model, params, seqs, schedule: StepSchedule, step: int, pad_id: int,
-                      max_grad_norm: float | None) -> tuple[float, float, int]:
+                      max_grad_norm: float | None, coverage=None) -> tuple[float, float, int]:
     """Every micro-batch of this replica for optimizer `step`; gradients reduced over the world and clipped.
 
-    Returns (the step's token-mean loss over all ranks, the global gradient norm before clipping, the
-    local tokens per micro-batch on this rank).
+    Returns (the step's loss over all ranks: token-mean CE + coef x mean router aux, the global gradient norm
+    before clipping, the local tokens per micro-batch on this rank, the mean router auxiliary loss or 0).
     """
-    n_loss = loss_tokens(seqs, schedule.step_indices(step))  # the whole step, every replica: the denominator
+    # the whole step, every replica: the denominators (sum of loss weights, number of KL tokens)
+    n_loss, n_kl = step_denominators(seqs, schedule.step_indices(step))
     micro = schedule.micro_batches(step, world.dp_rank)
     loss_sum = torch.zeros((), dtype=torch.float64)
+    aux_sum = torch.zeros((), dtype=torch.float64)
+    # MoE router auxiliary loss: each forward's (its whole sequence's) x coef, averaged over the step's forwards;
+    # every CP rank holds the same value and takes a 1/cp share
+    forwards = len(micro) * world.dp_size * world.cp_size
+    aux_weight = router.coefficient(base_causal_lm(acc.unwrap_model(loss_model).model)) / forwards
     local_tokens = 0
     for m, idx in enumerate(micro):
-        local = world.cp.shard_batch(collate(seqs, idx, pad_id), pad_token_id=pad_id)
+        full = collate(seqs, idx, pad_id)
+        weights, kl = full.pop("loss_weights", None), full.pop("kl_weights", None)
+        local = world.cp.shard_batch(full, pad_token_id=pad_id)
         local_tokens = int(local["input_ids"].numel())
+        extra = {}
+        if weights is not None:
+            extra["loss_weights"] = shard_target_weights(full, weights, world.cp).to(world.device)
+        # decided from the full batch, so every CP rank of the group runs the base's forward or none does
+        if kl is not None and bool((kl > 0).any()):
+            extra.update(kl_weights=shard_target_weights(full, kl, world.cp).to(world.device), num_kl_tokens=n_kl)
         # DDP reduces gradients once, in the backward of the last micro-batch
         sync = contextlib.nullcontext() if m == len(micro) - 1 else acc.no_sync(loss_model)
         with sync:
             cu = local.get("cu_seq_lens_q")  # packed rows: the documents' global boundaries
+            lengths = local.get(ROW_LENGTHS)  # padded rows: their real lengths
             share, _ = loss_model(local["input_ids"].to(world.device), local["position_ids"].to(world.device),
                                   local["shift_labels"].to(world.device), n_loss,
-                                  cu_seq_lens=cu.to(world.device) if cu is not None else None)
+                                  cu_seq_lens=cu.to(world.device) if cu is not None else None,
+                                  row_lengths=lengths.to(world.device) if lengths is not None else None,
+                                  aux_weight=aux_weight, **extra)
             acc.backward(share * world.world_size)  # undo DDP/FSDP's average over the world (docstring)
+        if coverage is not None:  # debug_collectives: before this rank issues anything else
+            coverage.check(f"step {step + 1}, micro-batch {m + 1}")
         loss_sum += share.detach().double().cpu()
+        aux = acc.unwrap_model(loss_model).aux
+        if aux is not None:
+            aux_sum += float(aux.detach()) / forwards
     grad_norm = acc.clip_grad_norm_(params, max_grad_norm or float("inf"))
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
         grad_norm = grad_norm.full_tensor()
     grad_norm = float(grad_norm) if grad_norm is not None else 0.0
-    (loss,) = _all_reduce([float(loss_sum)], dist.ReduceOp.SUM, world.device)
-    return loss, grad_norm, local_tokens
+    loss, aux = world.all_reduce([float(loss_sum), float(aux_sum)], dist.ReduceOp.SUM, "loss")
+    return loss, grad_norm, local_tokens, aux
 
 
 def _export(acc, world: World, loss_model, tokenizer, out: Path, recipe: Recipe) -> Path:

@@ -6,9 +6,14 @@ cross-entropy over `chunk_tokens` tokens at a time, each chunk under activation 
 that its logits are freed after the forward and recomputed, one chunk at a time, in the backward.
 
 The value returned is this rank's loss SHARE: sum of its tokens' CE / the global number of loss
-tokens of the whole optimizer step (every micro-batch, every data-parallel replica). Summed over all
+tokens of the whole optimizer step (every micro-batch, every data-parallel replica). Weighted rows (a
+training mix, longdoc.train.mix) generalise it: sum(w * CE) / sum(w) over the step, plus an optional
+sum(k * KL(base || tuned)) / (number of KL tokens of the step) toward the frozen base (LoRA disabled). Summed over all
 ranks and micro-batches it is the token-mean loss of the step; its gradients, summed the same way,
 are the single-process gradients (see longdoc/train/loop.py for how DDP's averaging is undone).
+MoE models with a router auxiliary loss add this rank's share of coef x aux (aux of the whole sequence of
+the forward, longdoc.hf.router): the step's objective is the token-mean CE plus coef x the mean aux of
+its forwards (micro-batches of every replica).
 """
 
 from __future__ import annotations
@@ -66,30 +71,72 @@ class ChunkStats:
         self.max_rows = max(self.max_rows, output.reshape(-1, output.shape[-1]).shape[0])
 
 
-def _chunk_ce(head: LogitHead, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def _chunk_ce(head: LogitHead, h: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None
+              ) -> torch.Tensor:
     # (chunk, hidden) -> (chunk, vocab) in fp32 for a stable log-softmax; summed, not averaged, so that
     # the caller controls the normalization across chunks, micro-batches and ranks.
     logits = head(h).float()
-    return F.cross_entropy(logits, labels, reduction="sum")
+    if weights is None:
+        return F.cross_entropy(logits, labels, reduction="sum")
+    return (F.cross_entropy(logits, labels, reduction="none") * weights).sum()
 
 
-def chunked_ce_sum(head: LogitHead, hidden: torch.Tensor, labels: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
-    """Sum of token cross-entropies; hidden (..., hidden_size), labels (...) already shifted, -100 ignored."""
+def chunked_ce_sum(head: LogitHead, hidden: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
+                   weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum of token cross-entropies (each times its weight, when given); hidden (..., hidden_size), labels and
+    weights (...) already shifted, -100 ignored."""
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1)
     keep = labels != IGNORE
     # Only loss tokens go through the head: padding and masked prompt tokens cost nothing.
     h, y = hidden[keep], labels[keep]  # (n_loss_tokens, hidden), (n_loss_tokens,)
+    w = weights.reshape(-1)[keep].float() if weights is not None else None
     total = hidden.new_zeros((), dtype=torch.float32)
     if y.numel() == 0:
-        # Keep the graph connected so every rank runs the same backward (DDP/FSDP expect it).
-        return total + 0.0 * hidden.sum()
+        # No loss token on this rank (answer-only loss under zigzag: a rank may hold only prompt). It must
+        # still run the same backward as its peers, through the body (the CP ring is a collective) AND the
+        # head: DDP/FSDP reduce gradients in buckets that fire only once every parameter in them has one,
+        # so a head without a gradient here would leave this rank's buckets unsent while the others send
+        # theirs (issue 22). One token through the head, weighted 0: exact zeros for its gradient.
+        return total + 0.0 * hidden.sum() + 0.0 * head(hidden[:1]).float().sum()
     for start in range(0, y.numel(), chunk_tokens):
         hc, yc = h[start:start + chunk_tokens], y[start:start + chunk_tokens]
+        wc = w[start:start + chunk_tokens] if w is not None else None
         if torch.is_grad_enabled() and hc.requires_grad:
-            total = total + checkpoint(_chunk_ce, head, hc, yc, use_reentrant=False)
+            total = total + checkpoint(_chunk_ce, head, hc, yc, wc, use_reentrant=False)
         else:
-            total = total + _chunk_ce(head, hc, yc)
+            total = total + _chunk_ce(head, hc, yc, wc)
+    return total
+
+
+def _chunk_kl(head: LogitHead, h: torch.Tensor, h_base: torch.Tensor, weights: torch.Tensor, base) -> torch.Tensor:
+    # sum_t w_t KL(p_base,t || p_tuned,t) over one chunk, both log-softmaxes in fp32. The base logits are
+    # recomputed here (also when checkpointing replays this function) from the base's hidden states, so only
+    # (chunk, hidden) is kept per chunk, never (chunk, vocab).
+    log_q = F.log_softmax(head(h).float(), dim=-1)
+    with torch.no_grad(), base():
+        log_p = F.log_softmax(head(h_base).float(), dim=-1)
+    return (F.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1) * weights).sum()
+
+
+def chunked_kl_sum(head: LogitHead, hidden: torch.Tensor, base_hidden: torch.Tensor, weights: torch.Tensor,
+                   chunk_tokens: int, base) -> torch.Tensor:
+    """sum_t weights_t * KL(base || tuned) at every token with weight > 0, `chunk_tokens` at a time; hidden and
+    base_hidden (..., hidden_size) are the tuned and the frozen base model's final hidden states of the same
+    tokens, `base` a context manager under which the head is the base's (peft's disable_adapter)."""
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    w = weights.reshape(-1).float()
+    keep = w > 0
+    h, hb, w = hidden[keep], base_hidden.reshape(-1, base_hidden.shape[-1])[keep], w[keep]
+    total = hidden.new_zeros((), dtype=torch.float32)
+    if w.numel() == 0:
+        return total + 0.0 * hidden.sum()
+    for start in range(0, w.numel(), chunk_tokens):
+        part = (h[start:start + chunk_tokens], hb[start:start + chunk_tokens], w[start:start + chunk_tokens])
+        if torch.is_grad_enabled() and part[0].requires_grad:
+            total = total + checkpoint(_chunk_kl, head, *part, base, use_reentrant=False)
+        else:
+            total = total + _chunk_kl(head, *part, base)
     return total
 
 
@@ -105,6 +152,7 @@ class LossModel(nn.Module):
         super().__init__()
         self.model = model  # as given (peft-wrapped or not): state dicts keep its key names
         self.chunk_tokens = chunk_tokens
+        self.aux: torch.Tensor | None = None  # the last call's MoE router auxiliary loss (global), if any
         lm = base_causal_lm(model)
         self._no_split_modules = getattr(lm, "_no_split_modules", None)
 
@@ -117,9 +165,14 @@ class LossModel(nn.Module):
         return LogitHead(self.lm)
 
     def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep_logits: bool = False,
-               cu_seq_lens: torch.Tensor | None = None):
+               cu_seq_lens: torch.Tensor | None = None, row_lengths: torch.Tensor | None = None):
         """(final hidden states (batch, local_len, hidden), logits or None). cu_seq_lens: the packed
-        documents' global boundaries of a local batch (cp.shard_batch's cu_seq_lens_q), if any."""
+        documents' global boundaries of a local batch (cp.shard_batch's cu_seq_lens_q), if any; row_lengths:
+        its real row lengths (cp.shard_batch's longdoc_row_lengths), if it has padding. The MoE router
+        auxiliary loss of the call (the whole sequence's, see longdoc.hf.router), if the model computes one,
+        is left in self.aux."""
+        from longdoc.parallel.batch import ROW_LENGTHS
+
         lm = self.lm
         grabbed = {}
 
@@ -129,16 +182,36 @@ class LossModel(nn.Module):
         hook = lm.get_decoder().register_forward_hook(grab)
         try:
             keep = 0 if keep_logits else torch.empty(0, dtype=torch.long, device=input_ids.device)
-            packed = {} if cu_seq_lens is None else {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens}
-            out = lm(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep, **packed)
+            extra = {} if cu_seq_lens is None else {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens}
+            if row_lengths is not None:
+                extra[ROW_LENGTHS] = row_lengths
+            out = lm(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep, **extra)
         finally:
             hook.remove()
+        self.aux = getattr(out, "aux_loss", None)
         return grabbed["h"], (out.logits if keep_logits else None)
 
+    def base(self):
+        """A context manager under which the model is the frozen base: the LoRA adapters (and peft's
+        modules_to_save copies) disabled. The KL term needs it; full fine-tuning has no frozen base."""
+        if not hasattr(self.model, "disable_adapter"):
+            raise ValueError("a KL term toward the base model needs LoRA (lora.enabled): the base is the model with "
+                             "its adapters disabled")
+        return self.model.disable_adapter()
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                num_loss_tokens: int | torch.Tensor = 1, probe: bool = False,
-                cu_seq_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """labels: shifted local labels (-100 = no loss). Returns (ce_sum / num_loss_tokens, ce_sum).
+                num_loss_tokens: int | float | torch.Tensor = 1, probe: bool = False,
+                cu_seq_lens: torch.Tensor | None = None, row_lengths: torch.Tensor | None = None,
+                loss_weights: torch.Tensor | None = None, kl_weights: torch.Tensor | None = None,
+                num_kl_tokens: int = 1, aux_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """labels: shifted local labels (-100 = no loss). Returns (share, ce_sum): share = ce_sum /
+        num_loss_tokens, where ce_sum sums each token's CE times its weight (`loss_weights`, shifted like the
+        labels; none = 1) and num_loss_tokens is the sum of the weights over the whole optimizer step;
+        with `kl_weights` (shifted, local) the share adds sum_t kl_t * KL_t(base || tuned) / num_kl_tokens
+        (the step's number of KL tokens). Every CP rank of a group passes kl_weights or none alike (the frozen
+        base's forward runs the CP attention too). The share also adds aux_weight * aux, aux the MoE router
+        auxiliary loss of this call (0 for models without one); aux_weight is this rank's share of its
+        coefficient (longdoc/train/loop.py).
 
         probe=True returns instead (max |model logits - chunked-head logits|, max |model logits|): it runs
         through the wrapped forward, so DDP/FSDP2 gather what they must exactly as in training.
@@ -147,9 +220,21 @@ class LossModel(nn.Module):
             h, ref = self.hidden(input_ids, position_ids, keep_logits=True)
             ref = ref.float()
             return (ref - self.head(h).float()).abs().max(), ref.abs().max()
-        h, _ = self.hidden(input_ids, position_ids, cu_seq_lens=cu_seq_lens)
-        ce_sum = chunked_ce_sum(self.head, h, labels, self.chunk_tokens)
-        return ce_sum / max(int(num_loss_tokens), 1), ce_sum
+        h, _ = self.hidden(input_ids, position_ids, cu_seq_lens=cu_seq_lens, row_lengths=row_lengths)
+        aux = self.aux  # the tuned model's router loss (the base's forward below would overwrite it)
+        ce_sum = chunked_ce_sum(self.head, h, labels, self.chunk_tokens, loss_weights)
+        n = float(num_loss_tokens)
+        # a step with no loss token (or only zero weights) gives a zero share, not NaN
+        share = ce_sum / (n if n > 0 else 1.0)
+        if kl_weights is not None:
+            with torch.no_grad(), self.base():
+                h_base, _ = self.hidden(input_ids, position_ids, cu_seq_lens=cu_seq_lens, row_lengths=row_lengths)
+            self.aux = aux
+            kl_sum = chunked_kl_sum(self.head, h, h_base, kl_weights, self.chunk_tokens, self.base)
+            share = share + kl_sum / max(int(num_kl_tokens), 1)
+        if aux is not None and aux_weight:
+            share = share + aux_weight * aux.to(share.device).float()
+        return share, ce_sum
 
 
 @torch.no_grad()

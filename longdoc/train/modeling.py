@@ -92,16 +92,18 @@ def load_extended(mcfg: ModelConfig):
     return models.load(mcfg.name, dtype=dtype, trust_remote_code=mcfg.trust_remote_code, **kwargs)
 
 
-def context_limit(model) -> int:
-    """The positions the model was trained for (after any RoPE extension in its config)."""
+def context_limit(model) -> int | None:
+    """The positions the model was trained for (after any RoPE extension in its config); None for a model
+    without position embeddings (state-space / recurrent models have no max_position_embeddings)."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return int(config.max_position_embeddings)
+    limit = getattr(config, "max_position_embeddings", None)
+    return int(limit) if limit is not None else None
 
 
-def check_context(tokens: int, limit: int, *, what: str, extend: str, shorten: str) -> None:
+def check_context(tokens: int, limit: int | None, *, what: str, extend: str, shorten: str) -> None:
     """Refuse `tokens` positions past the model's `limit`: RoPE beyond its trained range runs and silently
     returns garbage. `extend` is formatted with the smallest power-of-two factor that fits."""
-    if tokens > limit:
+    if limit is not None and tokens > limit:
         raise RecipeError(f"{what} exceeds the model's context ({limit} tokens); extend it with "
                           f"{extend.format(factor=_factor(tokens, limit))}, or {shorten}")
 
@@ -114,6 +116,8 @@ def build(mcfg: ModelConfig, lcfg: LoraConfig, tcfg: TrainConfig, cp, seq_len: i
     check_context(seq_len, context_limit(model), what=f"data.seq_len={seq_len}",
                   extend="model.rope_type=yarn model.rope_factor={factor}", shorten="shorten data.seq_len")
     model.config.use_cache = False
+    if tcfg.router_aux_loss_coef is not None:
+        _router_aux(model, tcfg.router_aux_loss_coef, mcfg.name)
     if tcfg.activation_checkpointing:
         # Non-reentrant: works with frozen inputs (LoRA), keyword arguments and the CP autograd Functions.
         kwargs = {"use_reentrant": False}
@@ -129,6 +133,22 @@ def build(mcfg: ModelConfig, lcfg: LoraConfig, tcfg: TrainConfig, cp, seq_len: i
     longdoc.patch(model, cp, strategy=tcfg.strategy)
     model.train()
     return model, tokenizer
+
+
+def _router_aux(model, coef: float, name: str) -> None:
+    """train.router_aux_loss_coef: switch the MoE router auxiliary loss on (coef > 0) or off (0)."""
+    from longdoc.hf import router
+
+    if not router.computes_aux(model):
+        if coef > 0:
+            raise RecipeError(f"train.router_aux_loss_coef={coef}: {name} ({type(model).__name__}) computes no MoE "
+                              f"router auxiliary loss; set train.router_aux_loss_coef to null")
+        return
+    configs = {id(model.config): model.config, id(model.config.get_text_config()): model.config.get_text_config()}
+    for c in configs.values():
+        c.output_router_logits = coef > 0
+        c.router_aux_loss_coef = coef
+    model.router_aux_loss_coef = coef  # the causal LM reads its own copy, made at construction
 
 
 def _ids(config) -> dict:
@@ -153,10 +173,44 @@ def _add_lora(model, lcfg: LoraConfig):
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
         raise RecipeError(f"lora.target_modules: {missing} not found in {type(model).__name__}; its linear "
                           f"layers are {linear}")
+    save = modules_to_save(model, lcfg)
+    # A tied lm_head trains with the embeddings (ensure_weight_tying), so the exported model, which ties
+    # them again at load time, is the model that was trained.
     peft_cfg = PeftLoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
-                              target_modules=list(lcfg.target_modules), task_type="CAUSAL_LM", bias="none")
+                              target_modules=list(lcfg.target_modules), task_type="CAUSAL_LM", bias="none",
+                              modules_to_save=save or None, ensure_weight_tying=bool(save) and _tied(model))
     with _quiet_deprecations():
         return get_peft_model(model, peft_cfg)
+
+
+def _tied(model) -> bool:
+    out, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    return out is not None and emb is not None and out.weight is emb.weight
+
+
+def modules_to_save(model, lcfg: LoraConfig) -> list[str]:
+    """Module names (suffixes) trained in full beside the adapters: lora.train_embeddings / train_norms /
+    modules_to_save, checked against the model (an unknown name lists what there is)."""
+    names = {m: n for n, m in model.named_modules()}
+    save = list(lcfg.modules_to_save)
+    if lcfg.train_embeddings:
+        save.append(names[model.get_input_embeddings()].rsplit(".", 1)[-1])
+    if lcfg.train_norms:
+        norms = sorted({n.rsplit(".", 1)[-1] for m, n in names.items() if type(m).__name__.endswith("Norm")})
+        if not norms:
+            raise RecipeError(f"lora.train_norms: {type(model).__name__} has no module whose class ends in 'Norm'; "
+                              f"name its norm modules in lora.modules_to_save")
+        save += norms
+    leaves = {n.rsplit(".", 1)[-1] for n in names.values() if n}
+    missing = [m for m in lcfg.modules_to_save if m.rsplit(".", 1)[-1] not in leaves]
+    if missing:
+        raise RecipeError(f"lora.modules_to_save: {missing} not found in {type(model).__name__}; its modules are "
+                          f"named {sorted(leaves)[:40]}")
+    clash = sorted(set(save) & set(lcfg.target_modules))
+    if clash:
+        raise RecipeError(f"lora: {clash} are both LoRA target_modules and trained in full (modules_to_save / "
+                          f"train_embeddings / train_norms); choose one")
+    return list(dict.fromkeys(save))
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from longdoc.parallel.batch import ROW_LENGTHS
 from longdoc.train.config import EvalConfig, LogConfig, Recipe, RecipeError
 from longdoc.train.data import Sequences, collate, document_keys, load_sequences, loss_tokens
 from longdoc.train.data import passes as data_passes
@@ -32,7 +33,7 @@ def split_held_out(recipe: Recipe, seqs: Sequences, tokenizer, vocab_size: int,
     if not (ev.path or ev.holdout):
         return seqs, None
     if ev.path:
-        cfg = dataclasses.replace(recipe.data, path=ev.path, shuffle=False, max_sequences=ev.max_sequences)
+        cfg = dataclasses.replace(recipe.data, path=ev.path, shuffle=False, max_sequences=ev.max_sequences, mix=[])
         return seqs, load_sequences(cfg, tokenizer, vocab_size, recipe.seed, main_first=main_first)
     n = len(seqs)
     docs, passes = document_keys(seqs), data_passes(seqs)
@@ -81,17 +82,16 @@ def validation_loss(loss_model, world, seqs: Sequences, micro_batch_size: int, p
             weight = 1.0 if idx else 0.0
             local = world.cp.shard_batch(collate(seqs, idx or [0], pad_id), pad_token_id=pad_id)
             cu = local.get("cu_seq_lens_q")  # packed rows: the documents, as in training
+            lengths = local.get(ROW_LENGTHS)  # padded rows: their real lengths (CE only: no router aux loss)
             share, _ = loss_model(local["input_ids"].to(world.device), local["position_ids"].to(world.device),
                                   local["shift_labels"].to(world.device), total,
-                                  cu_seq_lens=cu.to(world.device) if cu is not None else None)
+                                  cu_seq_lens=cu.to(world.device) if cu is not None else None,
+                                  row_lengths=lengths.to(world.device) if lengths is not None else None)
             acc += share.detach().double().cpu() * weight
     finally:
         loss_model.train(was_training)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        t = acc.to(world.device)
-        dist.all_reduce(t)
-        acc = t.cpu()
-    return float(acc)
+    (total_loss,) = world.all_reduce([float(acc)], dist.ReduceOp.SUM, "validation loss")  # the scalars group
+    return total_loss
 
 
 class EarlyStopping:

@@ -5,6 +5,17 @@
 World = dp x cp. Ranks r = dp_index * cp_size + cp_index, so a CP group is a block of consecutive
 ranks: on GPUs that keeps the heavy ring traffic inside a node, and only gradients cross nodes.
 
+Process groups: one per stream of collectives, so that no two streams that may run at the same time ever
+share one (longdoc.parallel.groups says why and how; issue 22 is what sharing did):
+  cp      - the CP ring, all-gathers and agreement checks (World.cp, a ContextParallel);
+  grads   - DDP's bucket all-reduces, moved there by a comm hook (`reduce_gradients`); FSDP2 keeps its mesh;
+  scalars - the loop's loss / peak-memory / validation sums (World.all_reduce);
+  world   - Accelerate's own main-thread collectives (barriers, gathers, checkpoints), and DDP's.
+The design is "own group per stream + every trainable parameter in every rank's loss graph", rather than
+reducing gradients by hand after backward: DDP keeps overlapping the reduction with backward. With
+`train.debug_collectives` (or LONGDOC_DEBUG_COLLECTIVES=1) every collective longdoc issues on these groups
+is first checked across its group by sequence number and op tag (longdoc.parallel.guard).
+
 Two Accelerate traps on CPU-only machines look like success and are refused here:
 - `accelerate launch --cpu` / `use_cpu: true` starts ONE process (unless mpirun is set up), so a
   cp_size=2 recipe would silently train without context parallelism;
@@ -22,9 +33,12 @@ import torch
 import torch.distributed as dist
 
 from longdoc.launch import launched_world
+from longdoc.parallel.groups import Groups, all_reduce, make_groups, reduce_gradients_on
+from longdoc.parallel.guard import GradCoverage, debug_collectives_from_env
 from longdoc.train.config import Recipe, RecipeError
 from longdoc.train.metrics import return_freed_memory
 from longdoc.train.modeling import resolve_mixed_precision
+from longdoc.train.peers import PeerWatch
 
 CPU_LAUNCH = ("accelerate launch --config_file recipes/accelerate/cpu-2proc.yaml -m longdoc train RECIPE "
               "(or: accelerate launch --multi_gpu --num_processes N -m longdoc train RECIPE)")
@@ -41,6 +55,14 @@ class World:
     dp_rank: int
     device: torch.device
     mixed_precision: str
+    groups: Groups | None = None
+    debug_collectives: bool = False
+    peers: PeerWatch | None = None  # lost-peer detection (longdoc.train.peers); None on one process
+
+    def close(self, finished: bool = True) -> None:
+        """The end of this rank's run: stop the peer watch (`finished`: tell the peers this rank is done)."""
+        if self.peers is not None:
+            self.peers.close(finished)
 
     @property
     def is_main(self) -> bool:
@@ -49,6 +71,25 @@ class World:
     @property
     def cp_size(self) -> int:
         return self.cp.size
+
+    def all_reduce(self, values: list[float], op=dist.ReduceOp.SUM, what: str = "scalars") -> list[float]:
+        """Step-level scalars reduced over every rank, on the scalars group (float64)."""
+        g = self.groups
+        if g is None or g.scalars is None:
+            return values
+        return all_reduce(values, op, g.scalars, self.device, g.guard("scalars"), what)
+
+    def reduce_gradients(self, model: torch.nn.Module) -> GradCoverage | None:
+        """After accelerator.prepare: DDP reduces on the grads group. In debug mode under DDP, returns the
+        check that every trainable parameter gets a gradient in every backward (call .check after each);
+        FSDP2 (sharded DTensor parameters) relies on the loss's construction alone."""
+        g = self.groups
+        if g is None or not reduce_gradients_on(model, g.grads, g.guard("grads")):
+            return None
+        # The models' buffers (rotary tables) are constants DDP copied from rank 0 when it wrapped the
+        # model; re-broadcasting them in every forward would be one more collective on DDP's group.
+        model.broadcast_buffers = False
+        return GradCoverage(model.named_parameters()) if self.debug_collectives else None
 
 
 def check_launch(recipe: Recipe, world_size: int, cuda: bool) -> tuple[int, int]:
@@ -97,14 +138,15 @@ def _fsdp_plugin(wrap_classes: list[str] | None):
 def start(recipe: Recipe, log_with: list | None = None, wrap_classes: list[str] | None = None) -> World:
     """Create the Accelerator, check the launch, build the mesh and the CP group."""
     from accelerate import Accelerator
-    from accelerate.utils import InitProcessGroupKwargs
+    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
     from longdoc.parallel.api import ContextParallel
 
     cuda = torch.cuda.is_available()
     if not cuda and recipe.train.release_freed_memory:
         return_freed_memory()  # first, so the model load and every step run under it
-    expected = launched_world().world_size
+    launched = launched_world()
+    expected = launched.world_size
     dp, cp = check_launch(recipe, expected, cuda)  # before joining anything: same error on every rank
     mixed = resolve_mixed_precision(recipe.train.mixed_precision, cuda)
     timeout = datetime.timedelta(seconds=recipe.train.comm_timeout)
@@ -114,7 +156,9 @@ def start(recipe: Recipe, log_with: list | None = None, wrap_classes: list[str] 
         log_with=log_with,
         project_dir=recipe.output_dir,
         fsdp_plugin=_fsdp_plugin(wrap_classes) if recipe.train.fsdp else None,
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)],
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)] + (
+            [] if recipe.train.ddp_bucket_cap_mb is None
+            else [DistributedDataParallelKwargs(bucket_cap_mb=recipe.train.ddp_bucket_cap_mb)]),
         step_scheduler_with_optimizer=False,
     )
     if accelerator.num_processes != expected:
@@ -124,19 +168,14 @@ def start(recipe: Recipe, log_with: list | None = None, wrap_classes: list[str] 
     world_size = accelerator.num_processes
     rank = accelerator.process_index
     device = accelerator.device
-    if world_size > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
-        cp_group = mesh["cp"].get_group()
-        if cp_group is dist.group.WORLD:
-            # DDP/FSDP reduce gradients on the world group; the ring gets its own group so that its
-            # point-to-point traffic never queues behind (or interleaves with) gradient reductions.
-            cp_group = dist.new_group(list(range(world_size)), timeout=timeout)
-        dp_rank = mesh.get_local_rank("dp")
-    else:
-        mesh, cp_group, dp_rank = None, None, 0
-    ctx = ContextParallel(cp_group, layout=recipe.train.layout, timeout=timeout)
-    return World(accelerator=accelerator, mesh=mesh, cp=ctx, world_size=world_size, rank=rank, dp_size=dp,
-                 dp_rank=dp_rank, device=device, mixed_precision=mixed)
+    debug = recipe.train.debug_collectives or debug_collectives_from_env()
+    groups = make_groups(dp, cp, device.type, timeout, debug_collectives=debug, fsdp=recipe.train.fsdp)
+    # usp: ContextParallel factors the CP group into its "cp_ring" x "cp_ulysses" axes (collective over the group)
+    ctx = ContextParallel(groups.cp, layout=recipe.train.layout, timeout=timeout, debug_collectives=debug,
+                          ulysses_size=recipe.ulysses_size)
+    # across nodes only: inside one node the launcher itself stops every rank when one dies
+    peers = PeerWatch(rank, world_size, recipe.train.peer_timeout, node=launched.node) if launched.nodes > 1 else None
+    return World(accelerator=accelerator, mesh=groups.mesh, cp=ctx, world_size=world_size, rank=rank, dp_size=dp,
+                 dp_rank=groups.dp_rank, device=device, mixed_precision=mixed, groups=groups,
+                 debug_collectives=debug, peers=peers)
 

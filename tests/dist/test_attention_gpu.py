@@ -28,23 +28,25 @@ def test_cuda_block_kernels(kernel, heads, causal):
         assert rel_err(got.cpu(), want) <= tol
 
 
-def _two_ranks_one_device(rank, world_size):
-    # Two gloo ranks share one GPU: exercises the CUDA kernels inside the ring (gloo moves CUDA tensors).
+def _two_ranks_one_device(rank, world_size, strategy="ring"):
+    # Two gloo ranks share one GPU: exercises the CUDA kernels inside the ring (gloo moves CUDA tensors), and
+    # the all-to-all of the Ulysses strategies on CUDA tensors.
     torch.cuda.set_device(0)
-    cp = longdoc.ContextParallel(timeout=120)
+    cp = longdoc.ContextParallel(timeout=120, ulysses_size=world_size if strategy == "usp" else None)
     errs = []
     for causal in (True, False):
         q, k, v, dout = make_case(1, 1, (8, 2), 512, 128, torch.bfloat16)
         ref = reference(q, k, v, dout, causal)
         ql, kl, vl = (cp.shard(t, dim=2).cuda().requires_grad_() for t in (q, k, v))
-        out = longdoc.attention(ql, kl, vl, cp, causal=causal)
+        out = longdoc.attention(ql, kl, vl, cp, causal=causal, strategy=strategy)
         grads = torch.autograd.grad(out, (ql, kl, vl), cp.shard(dout, dim=2).cuda())
         errs.append(max(rel_err(x.cpu(), cp.shard(r, dim=2)) for x, r in zip((out, *grads), ref)))
     return errs
 
 
-def test_ring_on_cuda_two_ranks_share_device():
-    for errs in run_ranks(2, _two_ranks_one_device, deadline=300):
+@pytest.mark.parametrize("strategy", ["ring", "ulysses", "usp"])
+def test_cp_on_cuda_two_ranks_share_device(strategy):
+    for errs in run_ranks(2, _two_ranks_one_device, strategy, deadline=300):
         assert max(errs) <= 2e-2, errs
 
 
@@ -83,8 +85,10 @@ def test_every_pattern_on_cuda_one_rank():
     failures = []
     for i, name in enumerate(PATTERNS):
         for dtype in ("fp32", "bf16"):
-            errs = run_pattern_case(cp_factory, (name, "zigzag", "ring", "gqa", dtype), 50 + i, 1, device="cuda")
-            tol = 1e-4 if dtype == "fp32" else 2e-2
-            if not all(e <= tol for e in errs.values()):
-                failures.append((name, dtype, errs))
+            for strategy in ("ring", "ulysses"):
+                errs = run_pattern_case(cp_factory, (name, "zigzag", strategy, "gqa", dtype), 50 + i, 1,
+                                        device="cuda")
+                tol = 1e-4 if dtype == "fp32" else 2e-2
+                if not all(e <= tol for e in errs.values()):
+                    failures.append((name, dtype, strategy, errs))
     assert not failures, failures

@@ -25,6 +25,8 @@ GEN_CASES = [
     ("gemma", "gemma", 402, 8, "ring", 1),
     ("stablelm-partial-rope", "stablelm", 389, 8, "ring", 1),
     ("phi3", "phi3", 300, 8, "ring", 1),
+    ("llama-odd-ulysses", "llama", 777, 8, "ulysses", 1),  # Ulysses prefill, decoding over the sharded cache
+    ("qwen3-batch2-ulysses", "qwen3", 333, 8, "ulysses", 2),
 ]
 
 
@@ -67,7 +69,7 @@ def _worker(rank: int, world: int) -> dict:
         model = tiny_model(arch, seed=i).eval()
         ids = _ids(i, batch, length)
         ref_tokens, ref_logits = reference_greedy(model, ids, n_new)
-        got = generate(model, cp, ids, n_new, strategy=strategy, return_logits=True)
+        got = generate(model, cp, ids, n_new, strategy=strategy, return_logits=True, eos_token_id=[])  # as the reference
         out[name] = dict(tokens=got.tokens.tolist(), ref_tokens=ref_tokens.tolist(),
                          logits_err=float((got.logits - ref_logits).abs().max()),
                          impl=model.config._attn_implementation)

@@ -13,70 +13,9 @@ import torch.distributed as dist
 
 from longdoc.parallel.layout import round_up
 from tests.distributed import run_ranks
+from tests.hf_cases import CASES, cp_step_errors, padded_batch, reference_step
 from tests.hf_families import LOGITS_TOL, check_model_errors
 
-
-# (name, batch, length, right-padded row lengths or None)
-CASES = [
-    ("divisible", 1, 48, None),
-    ("not-divisible", 1, 45, None),
-    ("right-padded-b2", 2, 43, (43, 29)),
-]
-
-
-def _batch(case, seed: int = 0) -> dict:
-    _, bsz, length, lengths = case
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 256, (bsz, length), generator=g)
-    batch = {"input_ids": ids, "labels": ids.clone()}
-    if lengths is not None:
-        mask = torch.zeros(bsz, length, dtype=torch.long)
-        for row, n in enumerate(lengths):
-            mask[row, :n] = 1
-        batch["attention_mask"] = mask
-    return batch
-
-
-def _reference(model, batch):
-    """Single-process logits, loss and grads; pads are -100 in the labels (HF convention)."""
-    labels = batch["labels"].clone()
-    if "attention_mask" in batch:
-        labels[batch["attention_mask"] == 0] = -100
-    model.zero_grad()
-    out = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), labels=labels)
-    out.loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return out.logits.detach(), out.loss.detach(), grads
-
-
-def _compare(model, cp, batch, ref, group=None) -> tuple[float, float, float]:
-    """Errors of the CP step on `model` (patched with `cp`) against `ref` = (logits, loss, grads)."""
-    ref_logits, ref_loss, ref_grads = ref
-    model.zero_grad()
-    local = cp.shard_batch(batch)
-    out = model(**local)
-    out.loss.backward()
-    loss = out.loss.detach().clone()
-    dist.all_reduce(loss, group=cp.group)
-    # grads: sum over the CP group (what a data-parallel all-reduce over the group does)
-    grad_err = 0.0
-    for n, p in model.named_parameters():
-        if n not in ref_grads:
-            assert p.grad is None or p.grad.abs().max() == 0, n
-            continue
-        g = p.grad.detach().clone()
-        dist.all_reduce(g, group=cp.group)
-        grad_err = max(grad_err, ((g - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp_min(1e-12)).item())
-    # logits: this rank's shard of the reference, compared on real (non-padded) tokens only
-    bsz, length = batch["input_ids"].shape
-    padded = round_up(length, cp.multiple)
-    real = torch.zeros(bsz, padded, dtype=torch.bool)
-    real[:, :length] = batch.get("attention_mask", torch.ones(bsz, length)).bool()
-    full = torch.zeros(bsz, padded, ref_logits.shape[-1])
-    full[:, :length] = ref_logits
-    want, keep = cp.shard(full, dim=1), cp.shard(real, dim=1)
-    logit_err = (out.logits.detach() - want)[keep].abs().max().item()
-    return logit_err, abs(loss.item() - ref_loss.item()), grad_err
 
 
 def _rank_archs(rank: int, world_size: int) -> list[tuple]:
@@ -90,10 +29,10 @@ def _rank_archs(rank: int, world_size: int) -> list[tuple]:
         ref_model = models.tiny_model(arch, seed=1)
         model = longdoc.patch(models.tiny_model(arch, seed=1), cp)
         for case in CASES:
-            batch = _batch(case)
-            results.append((arch, case[0], *_compare(model, cp, batch, _reference(ref_model, batch))))
+            batch = padded_batch(case)
+            results.append((arch, case[0], *cp_step_errors(model, cp, batch, reference_step(ref_model, batch))))
     # strategy "allgather", gradient checkpointing, and a sliding window >= the sequence (plain causal)
-    batch = _batch(CASES[1])
+    batch = padded_batch(CASES[1])
     extra = [
         ("llama", "allgather", {}, "allgather", False),
         ("llama", "grad-checkpointing", {}, "ring", True),
@@ -108,7 +47,7 @@ def _rank_archs(rank: int, world_size: int) -> list[tuple]:
             model.activation_checkpointing_enable()
             model.train()
         longdoc.patch(model, cp, strategy=strategy)
-        results.append((arch, name, *_compare(model, cp, batch, _reference(ref_model, batch))))
+        results.append((arch, name, *cp_step_errors(model, cp, batch, reference_step(ref_model, batch))))
     return results
 
 
@@ -125,9 +64,11 @@ def _rank_two_groups(rank: int, world_size: int) -> list[tuple]:
     b = longdoc.patch(models.tiny_model("qwen3", seed=4), cp_half)
     results = []
     for step in range(2):
-        batch = _batch(CASES[step], seed=step)
-        results.append(("llama", f"world-zigzag-{step}", *_compare(a, cp_world, batch, _reference(ref_a, batch))))
-        results.append(("qwen3", f"pair-contiguous-{step}", *_compare(b, cp_half, batch, _reference(ref_b, batch))))
+        batch = padded_batch(CASES[step], seed=step)
+        results.append(("llama", f"world-zigzag-{step}",
+                        *cp_step_errors(a, cp_world, batch, reference_step(ref_a, batch))))
+        results.append(("qwen3", f"pair-contiguous-{step}",
+                        *cp_step_errors(b, cp_half, batch, reference_step(ref_b, batch))))
     return results
 
 
@@ -140,7 +81,7 @@ def _rank_prefill(rank: int, world_size: int) -> dict[str, float]:
     cp = longdoc.ContextParallel()
     errors = {}
     for arch in ("llama", "qwen2_moe"):
-        batch = {"input_ids": _batch(CASES[2])["input_ids"]}  # batch 2, 43 tokens (not divisible)
+        batch = {"input_ids": padded_batch(CASES[2])["input_ids"]}  # batch 2, 43 tokens (not divisible)
         ref = models.tiny_model(arch, seed=5)(**batch).logits.detach()
         model = longdoc.patch(models.tiny_model(arch, seed=5), cp)
         local = prefill(model, cp, batch)
@@ -171,7 +112,7 @@ def _rank_disagree(rank: int, world_size: int) -> str:
 
     cp = longdoc.ContextParallel(timeout=20)
     model = longdoc.patch(models.tiny_model("llama"), cp)
-    local = cp.shard_batch(_batch(CASES[0]))
+    local = cp.shard_batch(padded_batch(CASES[0]))
     if rank == 1:
         local["position_ids"] = torch.arange(local["input_ids"].shape[1]).unsqueeze(0)
     try:
@@ -238,7 +179,7 @@ def _rank_content(rank: int, world_size: int) -> dict[str, str]:
     import longdoc
 
     cp = longdoc.ContextParallel(timeout=20)
-    base = _batch(CASES[2])  # batch 2, right-padded: input_ids, labels, attention_mask
+    base = padded_batch(CASES[2])  # batch 2, right-padded: input_ids, labels, attention_mask
     variants = {"same": {}, "ids": {"input_ids": 1}, "labels": {"labels": 1}, "mask": {"attention_mask": 1},
                 "shape": {"extra": 1}}
     out = {}

@@ -1,8 +1,10 @@
-"""Benchmark plumbing without processes: reports, plots, README update, CPU run of the CUDA kernel section."""
+"""Benchmark plumbing without processes: reports, plots, publishing into the docs, CPU run of the CUDA kernel
+section."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 
 import pytest
@@ -76,15 +78,30 @@ def test_plots_are_written(tmp_path):
         assert p.is_file() and p.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_readme_table_is_replaced_between_markers(tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# x\n\n## Performance\n{suite.README_START}\nold\n{suite.README_END}\n\n## Tests\nkeep\n")
-    assert suite.update_readme(readme, "| new |")
-    text = readme.read_text()
-    assert "| new |" in text and "old" not in text and text.endswith("## Tests\nkeep\n")
-    other = tmp_path / "other.md"
-    other.write_text("no markers")
-    assert not suite.update_readme(other, "x")
+def test_publish_copies_the_run_into_the_docs_folder_and_keeps_other_files(tmp_path):
+    run_dir, docs = tmp_path / "run", tmp_path / "docs-bench"
+    res = _fake_result()
+    run_dir.mkdir()
+    docs.mkdir()
+    res["plots"] = [str(plots.attention(res["sections"]["attention"], run_dir))]
+    (docs / "patterns.json").write_text("{}")  # a section result published on its own: kept
+    (docs / "bench.json").write_text('{"old": true}')
+    files = suite.publish(res, docs)
+    assert sorted(p.name for p in files) == ["attention.png", "bench.json"]
+    published = json.loads((docs / "bench.json").read_text())
+    assert published["sections"] == json.loads(json.dumps(res["sections"], default=str)) and "old" not in published
+    assert published["plots"] == [str(docs / "attention.png")]
+    assert (docs / "attention.png").read_bytes() == (run_dir / "attention.png").read_bytes()
+    assert (docs / "patterns.json").read_text() == "{}"
+
+
+def test_publish_refuses_a_partial_or_quick_run_before_running(tmp_path, capsys):
+    from longdoc.cli import main
+
+    for argv in (["bench", "--quick"], ["bench", "memory"]):
+        assert main([*argv, "--out", str(tmp_path / "run"), "--publish", str(tmp_path / "docs")]) == 2
+        assert "--publish takes a full run" in capsys.readouterr().out
+    assert not (tmp_path / "run").exists() and not (tmp_path / "docs").exists()
 
 
 def test_kernel_section_runs_on_cpu_at_toy_size():

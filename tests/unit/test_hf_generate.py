@@ -34,6 +34,24 @@ def test_greedy_generate_equals_transformers_and_leaves_the_model_alone(cp):
     assert not any("_longdoc_cp" in m.__dict__ for m in model.modules())
 
 
+def test_generate_stops_at_the_generation_configs_eos_like_model_generate(cp):
+    """No eos_token_id passed: both read the model's generation_config, stop there, and pad the finished row."""
+    model = models.tiny_model("llama", seed=5).eval()
+    ids = _ids(21, bsz=2, seed=3)
+    free = generate(model, cp, ids, 12, eos_token_id=[]).tokens  # [] = no EOS: decode all 12
+    assert free.shape == (2, 12)
+    # an EOS that row 0 reaches at step 3 and row 1 later or never; a pad id distinct from it
+    eos = int(free[0, 3])
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = eos, (eos + 1) % 256
+    ref = model.generate(ids, max_new_tokens=12, do_sample=False)[:, 21:]
+    got = generate(model, cp, ids, 12).tokens
+    assert torch.equal(got, ref), (got, ref)
+    assert int(got[0, 3]) == eos and bool((got[0, 4:] == (eos + 1) % 256).all())
+    patched = patch(models.tiny_model("llama", seed=5).eval(), cp)
+    patched.generation_config.eos_token_id, patched.generation_config.pad_token_id = eos, (eos + 1) % 256
+    assert torch.equal(patched.generate(ids, max_new_tokens=12)[:, 21:], ref)
+
+
 def test_a_session_on_an_unpatched_model_does_not_count_as_patched(cp):
     model = models.tiny_model("llama").eval()
     with KVSession(model, cp) as session:

@@ -197,19 +197,36 @@ def test_refuses_other_layer_kinds_and_unusable_chunks(cp):
     model = models.tiny_model("llama")
     model.config.layer_types = ["chunked_attention", "full_attention"]
     _refuses(r"chunked attention layers without a valid attention_chunk_size \(None\)", patch, model, cp)
-    config = AutoConfig.for_model("llama4_text", **TINY, no_rope_layers=[1, 0], attn_temperature_tuning=True)
-    _refuses(r"Llama4ForCausalLM uses attention temperature tuning on NoPE layers", patch,
-             AutoModelForCausalLM.from_config(config), cp)
 
 
-@pytest.mark.parametrize("arch,overrides,kind,name", [
-    ("mamba", {}, "linear_attention", "MambaForCausalLM"),
-    ("qwen3_next", {}, "linear_attention", "Qwen3NextForCausalLM"),
-    ("lfm2", {"full_attn_idxs": [1]}, "conv", "Lfm2ForCausalLM"),
+@pytest.mark.parametrize("arch,overrides,says", [
+    # Mamba, Gated DeltaNet (Qwen3-Next) and short-conv (LFM2) layers now have kinds (longdoc.hf.kinds); Qwen4-exp's
+    # indexed attention layers are refused by the name of their real blocker, the QSA indexer (kinds/compressed.py)
+    ("qwen4_exp_text", {"layer_types": ["linear_attention", "indexed_attention"], "indexer_n_heads": 2,
+                        "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
+                        "indexer_compress_ratio": 4, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                        "linear_key_head_dim": 8, "linear_value_head_dim": 8, "num_experts": 4,
+                        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32},
+     r"Qwen4ExpForCausalLM uses Qwen4-Exp's QSA indexer .*not built under CP yet"),
 ])
-def test_refuses_state_space_linear_and_convolution_layers_by_name(cp, arch, overrides, kind, name):
+def test_refuses_layer_types_no_kind_covers_by_name(cp, arch, overrides, says):
     config = AutoConfig.for_model(arch, **TINY, **overrides)
-    _refuses(rf"{name} uses layers of type '{kind}'", patch, AutoModelForCausalLM.from_config(config), cp)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    _refuses(says, patch, model, cp)
+
+
+def test_llama4_temperature_tuning_is_exact(cp):
+    """NoPE layers' query scale from each token's index (a scale that changes every 2 tokens)."""
+    ref, model = _eager_pair("llama4_text", attention_chunk_size=6, no_rope_layers=[1, 0], attn_temperature_tuning=True,
+                             floor_scale=2, attn_scale=0.5, intermediate_size_mlp=128, num_local_experts=2)
+    patch(model, cp)
+    ids = _ids(21)
+    want = ref(input_ids=ids, labels=ids)
+    out = _run(model, cp, ids)
+    assert (out.logits[:, :21] - want.logits).abs().max() <= 1e-5
+    assert abs(out.loss.item() - want.loss.item()) <= 1e-6
+    assert model.model.layers[1].self_attn.attn_temperature_tuning  # the module is left as it was
 
 
 def test_chunked_attention_is_exact(cp):
@@ -224,12 +241,32 @@ def test_chunked_attention_is_exact(cp):
     assert abs(out.loss.item() - want.loss.item()) <= 1e-6
 
 
-def test_refuses_moe_router_aux_loss(cp):
-    _refuses(r"MixtralForCausalLM uses the MoE router auxiliary loss \(output_router_logits=True\)",
-             patch, models.tiny_model("mixtral", output_router_logits=True), cp)
-    model = patch(models.tiny_model("mixtral"), cp)
-    local = cp.shard_batch({"input_ids": _ids(), "labels": _ids()})
-    _refuses("the MoE router auxiliary loss", model, **local, output_router_logits=True)
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_moe_router_aux_loss_equals_transformers(arch, cp):
+    """output_router_logits=True: loss and aux loss (padding left out of the router statistics) and gradients."""
+    ref = models.tiny_model(arch, output_router_logits=True, router_aux_loss_coef=0.5)
+    model = patch(copy.deepcopy(ref), cp)
+    ids = _ids(21, bsz=2)
+    mask = torch.ones_like(ids)
+    mask[1, 15:] = 0
+    want = ref(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    want.loss.backward()
+    out = model(**cp.shard_batch({"input_ids": ids, "labels": ids, "attention_mask": mask}))
+    out.loss.backward()
+    assert abs(out.aux_loss.item() - want.aux_loss.item()) <= 1e-6
+    assert abs(out.loss.item() - want.loss.item()) <= 1e-6
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None)
+        if p.grad is not None:
+            assert (p.grad - q.grad).abs().max() <= 1e-6
+
+
+def test_refuses_a_router_loss_of_its_own(cp):
+    config = AutoConfig.for_model("doge", **TINY, num_experts=16, num_experts_per_tok=2, is_moe=True,
+                                  output_router_logits=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    _refuses(r"an MoE router auxiliary loss of its own \(.*doge", patch, model, cp)
 
 
 # ---- refusals: per call ----
@@ -330,3 +367,19 @@ def test_refuses_models_whose_attention_bypasses_the_interface(cp):
     attn.config._attn_implementation_internal = "sdpa"
     with pytest.raises(RuntimeError, match="only 1 of 2 layers .* NOT context-parallel-exact"):
         _run(model, cp, _ids())
+
+
+_DECODER_ONLY = dict(d_model=64, decoder_layers=1, encoder_layers=1, decoder_attention_heads=4,
+                     encoder_attention_heads=4, decoder_ffn_dim=128, encoder_ffn_dim=128, vocab_size=256,
+                     max_position_embeddings=128)
+
+
+@pytest.mark.parametrize("arch", ["bart", "mbart", "pegasus", "blenderbot-small"])
+def test_refuses_encoder_decoder_causal_lm_decoders_at_patch_time(cp, arch):
+    """They compute their loss themselves (not through model.loss_function) and number positions by the call's
+    token index: refused before anything runs (a KV session too), never halfway through a forward."""
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **_DECODER_ONLY))
+    _refuses(r"a loss computed by its own forward.*positions taken from each call's token index", patch, model, cp)
+    assert not is_patched(model)
+    with pytest.raises(UnsupportedFeatureError, match="positions taken from each call's token index"):
+        longdoc.hf.generate(model, cp, _ids(8), 2)

@@ -66,8 +66,8 @@ def test_validation_dtype_and_strategy():
         longdoc.attention(q, q.double(), q, cp)
     with pytest.raises(ValueError, match="float16, bfloat16, float32 or float64"):
         longdoc.attention(q.int(), q.int(), q.int(), cp)
-    with pytest.raises(ValueError, match="strategy must be one of 'ring', 'allgather'"):
-        longdoc.attention(q, q, q, cp, strategy="ulysses")
+    with pytest.raises(ValueError, match="strategy must be one of 'ring', 'allgather', 'ulysses', 'usp'"):
+        longdoc.attention(q, q, q, cp, strategy="p2p")
 
 
 # ---- patterns: band masks and soft-capping in the block kernels ------------------------------------

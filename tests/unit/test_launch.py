@@ -69,3 +69,17 @@ def test_process_group_is_left_when_the_block_fails(clean_env, tmp_path):
         with process_group("gloo", timeout=30, init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1):
             raise ValueError("boom")
     assert not dist.is_initialized()
+
+
+def test_process_group_joins_from_the_launchers_variables(clean_env):
+    """As under torchrun / accelerate launch: env:// from RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    set_launcher_env(0, 1)
+    clean_env.setenv("MASTER_PORT", str(port))
+    with process_group("gloo", timeout=30) as world:
+        assert world == Launch(world_size=1, rank=0, local_rank=0, joined=True)
+    assert not dist.is_initialized()

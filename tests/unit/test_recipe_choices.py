@@ -21,7 +21,7 @@ def test_cp_fields_use_the_core_types():
 
 @pytest.mark.parametrize("override,choices", [
     ("train.layout=zz", "('zigzag', 'contiguous')"),
-    ("train.strategy=p2p", "('ring', 'allgather')"),
+    ("train.strategy=p2p", "('ring', 'allgather', 'ulysses', 'usp')"),
     ("model.dtype=fp8", "('float32', 'bfloat16', 'float16')"),
     ("train.on_nonfinite=ignore", "('skip', 'abort')"),
     ("optim.decay=step", "('cosine', 'linear', 'constant')"),
@@ -37,7 +37,7 @@ def test_valid_choices_load_and_code_built_sections_are_checked_too():
     r = recipe_from_dict({"data": {"path": "random"}}, ["train.layout=contiguous", "train.strategy=allgather",
                                                         "model.dtype=bfloat16"])
     assert (r.train.layout, r.train.strategy, r.model.dtype) == ("contiguous", "allgather", "bfloat16")
-    with pytest.raises(RecipeError, match=r"train.strategy: must be one of \('ring', 'allgather'\)"):
+    with pytest.raises(RecipeError, match=r"train.strategy: must be one of \('ring', 'allgather', 'ulysses', 'usp'\)"):
         TrainConfig(strategy="p2p")
     with pytest.raises(RecipeError, match="model.dtype: must be one of"):
         ModelConfig(dtype="fp8")

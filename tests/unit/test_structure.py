@@ -258,3 +258,14 @@ def test_no_test_module_imports_another_test_module():
             bad += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
                     if n.startswith("tests.") and n.rpartition(".")[2].startswith("test_")]
     assert not bad, "move what these share into a helper module under tests/:\n" + "\n".join(bad)
+
+
+def test_training_code_never_reads_the_suite():
+    """Nothing that makes training data (corpus, train, recipes) imports or names the suite's generators."""
+    for module, imported in graph().items():
+        if module.startswith(("longdoc.corpus", "longdoc.train")):
+            assert not [m for m in imported if m.startswith("longdoc.eval.ruler")], module
+    root = Path(__file__).resolve().parents[2]
+    for path in [*(root / "recipes").rglob("*.yaml"), *(root / "data" / "synth").rglob("*.json")]:
+        text = path.read_text()
+        assert "eval.ruler" not in text and "special magic" not in text, path

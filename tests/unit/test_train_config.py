@@ -90,7 +90,7 @@ def test_cli_print_and_error_exit_codes(capsys, tmp_path):
     rec.write_text("data: {path: random}\ntrain: {steps: 2}\n")
     assert main(["train", str(rec), "cp_size=2", "--print"]) == 0
     assert "cp_size: 2" in capsys.readouterr().out
-    assert main(["train", str(rec), "train.stepz=3"]) == 2
+    assert main(["train", str(rec), "train.stepz=3"], catch=True) == 2  # as on the command line
     assert "did you mean train.steps" in capsys.readouterr().err
 
 

@@ -50,9 +50,15 @@ def synthesize(domain: str, num_docs: int, tokens: int = 32768, seed: int = 0, t
 
 
 def write_jsonl(records: list[dict[str, Any]], path: str | Path) -> None:
-    with open(path, "w", encoding="utf-8", newline="\n") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    """One JSON record per line; the folder is created, and the file appears complete or not at all."""
+    from longdoc.io import atomic_write
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8", newline="\n") as f:
+            for r in records:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+
+    atomic_write(path, write)
 
 
 def _document(domain: str, index: int, target: int, seed: int, tok: Any, tok_name: str,

@@ -11,10 +11,11 @@ import datetime as dt
 import functools
 import json
 import random
-from pathlib import Path
 from typing import Any
 
-DATA_DIR = Path(__file__).resolve().parents[3] / "data" / "synth"
+from longdoc.resources import resource_dir
+
+DATA_DIR = resource_dir("synth")  # data/synth in a checkout, a bundled copy in a wheel
 DATE_STYLES = ("us", "long", "iso")
 _MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September",
            "October", "November", "December")
@@ -26,8 +27,8 @@ def load_data(domain: str, name: str) -> dict[str, Any]:
     path = DATA_DIR / domain / f"{name}.json"
     if not path.is_file():
         raise FileNotFoundError(
-            f"synthetic-data file {path} is missing; the generator needs the repository's data/synth "
-            "folder (run from a source checkout or an editable install)"
+            f"synthetic-data file {path} is missing; the generator needs longdoc's data/synth files (a source "
+            "checkout and an installed wheel both carry them): reinstall longdoc or restore data/synth"
         )
     return json.loads(path.read_text(encoding="utf-8"))
 

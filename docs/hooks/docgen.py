@@ -1,0 +1,295 @@
+"""Generated documentation content: the supported-models page from the tests' family lists and the performance
+tables from docs/bench/*.json, so a model list or a measured number is never typed by hand.
+
+    python docs/hooks/docgen.py models         # print the generated supported-models markdown
+    python docs/hooks/docgen.py performance    # print the generated performance tables
+    python docs/hooks/docgen.py readme         # refresh README.md's generated blocks (headline numbers, models)
+    python docs/hooks/docgen.py check          # exit 1 if README.md's generated blocks are stale
+
+mkdocs runs this file as a hook (mkdocs.yml `hooks:`): a page's `<!-- docgen:NAME -->` line is replaced by block
+NAME at build time, so the site always shows what the files in the checkout say. Sources are found by pattern,
+so files that land later are picked up without editing this file:
+  - tests/hf_*.py with a module-level FAMILIES or HYBRIDS dict (model_type -> overrides; a trailing comment on
+    the entry's line says what the family brings), read with `ast` (nothing is imported or built);
+  - longdoc/zoo.py PLAIN and PATTERNED (the `tiny:` names the CLI builds);
+  - docs/models/*.json written by tests/survey.py (every causal-LM type of the installed transformers);
+  - docs/bench/*.json: a `longdoc bench` suite result (rendered by longdoc.bench.suite.to_markdown, the same
+    renderer as `longdoc bench`; `longdoc bench --publish docs/bench` writes it) or a single section result
+    (patterns.json), and docs/bench/*.png.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+MARKER = re.compile(r"^<!-- docgen:([a-z-]+) -->$", re.M)
+README_BLOCK = re.compile(r"(<!-- docgen:([a-z-]+):start -->\n)(.*?)(<!-- docgen:\2:end -->)", re.S)
+
+# What each family list is, in page order (a list not named here is titled by its file name and comes last).
+LISTS = {
+    "hf_families.py": "Attention patterns: sliding windows, sinks, soft-capping, chunked attention",
+    "hf_dsa.py": "Sparse attention: DeepSeek sparse attention (the indexer's top-k)",
+    "hf_hybrids.py": "Hybrid state-space models: Mamba1/2, short convolutions, ZAYA's CCA, alone or beside attention",
+    "hf_hybrids_linear.py": "Linear attention and RNN layers: Gated DeltaNet, KDA, lightning, RG-LRU, RWKV, mLSTM",
+}
+# The module-level dicts a family list may be called (model_type -> overrides, or (overrides, how)).
+LIST_NAMES = ("FAMILIES", "HYBRIDS")
+
+
+def _family_lists() -> list[tuple[Path, list[tuple[str, str]], list[str]]]:
+    """(file, [(model_type, what it exercises)], the distributed tests that run it) for every tests/hf_*.py with
+    a family list that some distributed test imports (a list no distributed test runs proves nothing); in LISTS
+    order, then by file name."""
+    order = list(LISTS)
+    paths = sorted((ROOT / "tests").glob("hf_*.py"),
+                   key=lambda p: (order.index(p.name) if p.name in order else len(order), p.name))
+    out = []
+    for path in paths:
+        entries = _dict_entries(path, LIST_NAMES)
+        rows = next((entries[n] for n in LIST_NAMES if entries.get(n)), [])
+        tests = _tests_using(path.stem)
+        if rows and tests:
+            out.append((path, rows, tests))
+    return out
+
+
+def _tests_using(module: str) -> list[str]:
+    """The distributed tests (CP ranks vs the single-process reference) that import tests/<module>.py."""
+    return _tests_matching(rf"^from tests\.{module} import|^import tests\.{module}")
+
+
+def _tests_matching(regex: str) -> list[str]:
+    pattern = re.compile(regex, re.M)
+    return [f"tests/dist/{p.name}" for p in sorted((ROOT / "tests" / "dist").glob("test_*.py"))
+            if pattern.search(p.read_text())]
+
+
+# Config keys (or the tests' shared override names) -> the feature a family's tiny config turns on.
+FEATURES = [(r"sliding_window|_SLIDING|local_attention", "sliding window"), (r"softcapping", "soft-capping"),
+            (r"attention_chunk_size", "chunked attention"), (r"no_rope_layers", "NoPE layers"),
+            (r"_MOE|num_local_experts|num_experts", "MoE"), (r"_MAMBA|mamba|state_size", "state-space layers"),
+            (r"conv_L_cache|\"conv\"", "short convolutions"), (r"_GDN|linear_", "linear attention"),
+            (r"_MLA|kv_lora_rank", "MLA"), (r"indexer|index_topk", "sparse indexer"),
+            (r"num_kv_shared_layers", "shared KV layers"), (r"lru_width", "RG-LRU recurrence"),
+            (r"attention_window_size", "local attention"), (r"attention_hidden_size", "WKV recurrence"),
+            (r"\bblock_size", "lightning attention blocks"), (r"qk_dim_factor", "mLSTM")]
+
+
+def _features(source: str) -> str:
+    return ", ".join(name for pattern, name in FEATURES if re.search(pattern, source))
+
+
+def _dict_entries(path: Path, names: tuple[str, ...]) -> dict[str, list[tuple[str, str]]]:
+    """{dict name: [(key, what it exercises)]} for the module-level string-keyed dicts called `names`: the
+    trailing comment on the entry's last line, else the features its config overrides name."""
+    src = path.read_text()
+    lines = src.splitlines()
+    out: dict[str, list[tuple[str, str]]] = {}
+    tree = ast.parse(src)
+    # what every entry of the file shares (its _COMMON config), for an entry that names nothing of its own
+    shared = next((_features(ast.unparse(n.value)) for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+                   and n.value is not None and "_COMMON" in ast.unparse(n.targets[0] if isinstance(n, ast.Assign)
+                                                                          else n.target)), "")
+    for node in tree.body:
+        target = node.target if isinstance(node, ast.AnnAssign) else (
+            node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)
+        if not isinstance(target, ast.Name) or target.id not in names or not isinstance(node.value, ast.Dict):
+            continue
+        rows = []
+        for key, value in zip(node.value.keys, node.value.values):
+            if not isinstance(key, ast.Constant) or not isinstance(key.value, str):
+                continue
+            end = lines[(value.end_lineno or key.lineno) - 1]
+            comment = end.split("#", 1)[1].strip() if "#" in end and not end.lstrip().startswith("#") else ""
+            rows.append((key.value, comment or _features(ast.unparse(value))
+                         or (f"the list's shared config ({shared})" if shared else "")))
+        out[target.id] = rows
+    return out
+
+
+def _md_escape(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def models() -> str:
+    parts = ["Generated by `python docs/hooks/docgen.py models` from the tests' family lists; every family below "
+             "is run under context parallelism by the named test and compared with the single-process reference "
+             "(outputs and gradients)."]
+    zoo = _dict_entries(ROOT / "longdoc" / "zoo.py", ("PLAIN", "PATTERNED"))
+    plain = [k for k, _ in zoo.get("PLAIN", [])]
+    parts += ["", "### Plain causal LMs (full attention)", "",
+              f"Run by {', '.join(_tests_matching(r'TINY_ARCHS'))} "
+              "(`tiny:<name>` in the CLI): " + ", ".join(f"`{k}`" for k in plain)
+              + ". Any model whose attention goes through transformers' attention interface with full causal "
+              "attention is in this class (`longdoc verify MODEL` checks one)."]
+    total = len(plain)
+    for path, rows, tests in _family_lists():
+        total += len(rows)
+        parts += ["", f"### {LISTS.get(path.name, f'Families of tests/{path.name}')}", "",
+                  f"{len(rows)} families in tests/{path.name}, run by {', '.join(tests)}.", "",
+                  "| model_type | what it exercises |", "|---|---|"]
+        parts += [f"| `{k}` | {_md_escape(c) or '-'} |" for k, c in rows]
+    patterned = zoo.get("PATTERNED", [])
+    if patterned:
+        parts += ["", "### Tiny models for the CLI", "", "`tiny:<name>` builds a random-init model of these (no "
+                  "download): " + ", ".join(f"`tiny:{k}`" for k in plain + [k for k, _ in patterned]) + "."]
+    for path in sorted((ROOT / "docs" / "models").glob("*.json")):
+        parts += ["", _survey(path)]
+    parts.insert(1, f"\n**{total} model families** are tested.")
+    return "\n".join(parts)
+
+
+def _survey(path: Path) -> str:
+    rec = json.loads(path.read_text())
+    types = rec.get("types", {})
+    head = [f"### Survey: every causal-LM type of the installed transformers ({path.name})", "",
+            f"Written by `python -m tests.survey` (transformers {rec.get('transformers', '?')}, "
+            f"cp={rec.get('cp', '?')}): " + ", ".join(f"{v} {k}" for k, v in sorted(rec.get("counts", {}).items()))
+            + ".", "", "| model_type | status | detail |", "|---|---|---|"]
+    return "\n".join(head + [f"| `{t}` | {r.get('status')} | {_md_escape(str(r.get('detail', ''))[:160])} |"
+                             for t, r in sorted(types.items())])
+
+
+def _bench_files() -> list[tuple[Path, dict]]:
+    return [(p, json.loads(p.read_text())) for p in sorted((ROOT / "docs" / "bench").glob("*.json"))]
+
+
+def performance() -> str:
+    from longdoc.bench import patterns, suite
+
+    parts = []
+    for path, data in _bench_files():
+        if "sections" in data:
+            parts += [f"### Suite run: docs/bench/{path.name}", "", suite.to_markdown(data)]
+        elif {"median_s", "ratios"} <= set(data):
+            parts += [f"### Attention patterns run: docs/bench/{path.name}", "", patterns.to_markdown(data)]
+        else:
+            parts += [f"### docs/bench/{path.name}", "", "(no renderer for this file's format)"]
+        parts.append("")
+    pngs = sorted((ROOT / "docs" / "bench").glob("*.png"))
+    if pngs:
+        parts += ["### Plots", ""] + [f"![{p.stem}](bench/{p.name})" for p in pngs]
+    return "\n".join(parts)
+
+
+def _suite() -> dict:
+    for _, data in _bench_files():
+        if "sections" in data:
+            return data
+    raise FileNotFoundError("no longdoc bench suite result (a json with 'sections') under docs/bench/")
+
+
+def headline(performance_page: str = "performance.md") -> str:
+    """The headline numbers, computed from the suite result (so they are not typed by hand)."""
+    s = _suite()
+    sec = s["sections"]
+    lines = [f"Measured by `make bench` on {s['machine'].get('cpus')} CPU cores ({s['started'][:10]}; full tables "
+             f"and plots: [performance]({performance_page})):", ""]
+    att = sec.get("attention") or {}
+    for n, run in list(zip(att.get("lengths", []), att.get("runs", [])))[-1:]:
+        q, ranks = run["ratios"], run["config"]["ranks"]
+        lines.append(f"- attention fwd+bwd at {n:,} tokens, {ranks} ranks x 1 thread vs 1 process x {ranks} threads "
+                     f"(SDPA): CP efficiency E = {q['E']:.2f}, zigzag {q['Z']:.2f}x faster than the contiguous layout")
+    train = sec.get("train") or []
+    for model in dict.fromkeys(r["model"] for r in train):
+        one = [r for r in train if r["model"] == model]
+        by_cp = {r["cp"]: r for r in one}
+        if 1 in by_cp and 2 in by_cp:
+            lines.append(f"- training step, {model} at {by_cp[2]['seq_len']:,} tokens: cp=2 "
+                         f"{by_cp[2]['tokens_per_s'] / by_cp[1]['tokens_per_s']:.2f}x the tokens/s of cp=1 at equal "
+                         f"cores, peak {by_cp[2]['peak_gib']:.2f} vs {by_cp[1]['peak_gib']:.2f} GiB per rank")
+    longest = sec.get("longest") or {}
+    if longest.get("rows"):
+        lines.append(f"- longest training sequence under a {longest['cap_gib']} GiB per-process cap: "
+                     + ", ".join(f"{r['measured_longest']:,} tokens at cp={r['cp']}" for r in longest["rows"]))
+    cal = [r for r in sec.get("calibration") or [] if r.get("calibrated", True)]
+    if cal:
+        worst = max(abs(r["error"]) for r in cal)
+        lines.append(f"- memory planner: within {worst:.1%} of the measured peak in all {len(cal)} runs")
+    return "\n".join(lines)
+
+
+def outcomes(prefix: str = "") -> str:
+    """Base vs fine-tuned on held-out documents, from the committed `longdoc eval compare` results."""
+    lines = []
+    for name, what in (("demo", "`make demo`"),
+                       ("outcome", "the outcome run (recipes/cpu-legal-qa.yaml)")):
+        path = ROOT / "docs" / name / "results.json"
+        if not path.exists():
+            continue
+        rec = json.loads(path.read_text())
+        qa = rec.get("qa", {}).get("overall", {})
+        n = rec.get("qa", {}).get("paired", {}).get("f1", {}).get("n", "?")
+        if "f1" in qa and "em" in qa:
+            lines.append(f"- {what}: held-out F1 {qa['f1']['a']:.3f} -> {qa['f1']['b']:.3f}, EM {qa['em']['a']:.3f} "
+                         f"-> {qa['em']['b']:.3f} on {n} questions ([{name}/summary.md]({prefix}{name}/summary.md))")
+    return "\n".join(lines)
+
+
+def models_summary() -> str:
+    """One line per tested family list (the README's summary of the supported-models page)."""
+    zoo = _dict_entries(ROOT / "longdoc" / "zoo.py", ("PLAIN",))
+    lines = [f"- plain causal LMs: {', '.join(k for k, _ in zoo.get('PLAIN', []))}"]
+    for path, rows, _ in _family_lists():
+        title = LISTS.get(path.name, f"tests/{path.name}").split(":")[0]
+        title = title[:1].lower() + title[1:]
+        lines.append(f"- {title} ({len(rows)}): {', '.join(k for k, _ in rows)}")
+    for path in sorted((ROOT / "docs" / "models").glob("*.json")):
+        rec = json.loads(path.read_text())
+        counts = ", ".join(f"{v} {k}" for k, v in sorted(rec.get("counts", {}).items()))
+        lines.append(f"- survey of every causal-LM type of transformers {rec.get('transformers', '?')} at "
+                     f"cp={rec.get('cp', '?')}: {counts}")
+    return "\n".join(lines)
+
+
+def changelog() -> str:
+    return (ROOT / "CHANGELOG.md").read_text()
+
+
+BLOCKS: dict[str, Callable[[], str]] = {"models": models, "performance": performance, "headline": headline,
+                                        "changelog": changelog, "outcomes": outcomes, "models-summary": models_summary}
+
+
+def render_markers(markdown: str) -> str:
+    return MARKER.sub(lambda m: BLOCKS[m.group(1)]() if m.group(1) in BLOCKS else m.group(0), markdown)
+
+
+def refresh_readme(text: str) -> str:
+    # links relative to the README
+    blocks = {**BLOCKS, "headline": lambda: headline("docs/performance.md"), "outcomes": lambda: outcomes("docs/")}
+    return README_BLOCK.sub(lambda m: m.group(1) + blocks[m.group(2)]() + "\n" + m.group(4), text)
+
+
+# mkdocs hook: fill the markers of every page.
+def on_page_markdown(markdown: str, **kwargs: object) -> str:
+    return render_markers(markdown)
+
+
+def main(argv: list[str]) -> int:
+    what = argv[0] if argv else "models"
+    readme = ROOT / "README.md"
+    if what == "readme":
+        readme.write_text(refresh_readme(readme.read_text()))
+        return 0
+    if what == "check":
+        text = readme.read_text()
+        if refresh_readme(text) != text:
+            print("README.md's generated blocks are stale: run `python docs/hooks/docgen.py readme`")
+            return 1
+        return 0
+    if what not in BLOCKS:
+        print(f"docgen: unknown block {what!r}; choose from {', '.join([*BLOCKS, 'readme', 'check'])}")
+        return 2
+    print(BLOCKS[what]())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,61 @@
+"""Greedy decoding of hybrid models after a CP prefill equals single-process model.generate token for token:
+the recurrent and conv states of the CP prefill (gathered to every rank) carry into decoding. Also the KV
+session's mark / extend / rollback, which copies recurrent states, and prompts shorter than the conv kernel
+per rank. One spawn per world size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed import run_ranks
+from tests.hf_hybrids import hybrid_pair
+
+ARCHS = ("mamba2", "granitemoehybrid", "falcon_h1", "nemotron_h", "jamba", "zamba", "lfm2", "lfm3", "zaya")
+NEW = 8
+
+
+def _ids(length: int, seed: int) -> torch.Tensor:
+    # No special ids: transformers' generate would mask a pad id inside the prompt, and stop at an EOS.
+    return torch.randint(3, 250, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _rank(rank, world, archs):
+    import longdoc
+    import longdoc.hf
+
+    cp = longdoc.ContextParallel(timeout=120)
+    out = {}
+    for arch in archs:
+        ref, model = hybrid_pair(arch)
+        for m in (ref, model):
+            m.eval()
+            m.generation_config.eos_token_id = None
+        longdoc.patch(model, cp)
+        for length in (37, 5):
+            ids = _ids(length, length)
+            want = ref.generate(ids, max_new_tokens=NEW, do_sample=False)[0, length:].tolist()
+            got = model.generate(ids, max_new_tokens=NEW)[0, length:].tolist()  # routed to the CP session
+            out[(arch, f"generate/{length}")] = (want, got)
+        ids, question = _ids(29, 3), _ids(6, 4)
+        with torch.no_grad():
+            full = ref(input_ids=torch.cat([ids, question], dim=1)).logits[0, -1].argmax().item()
+        with longdoc.hf.KVSession(model, cp) as s:
+            first = s.prefill(ids)
+            mark = s.mark()
+            a = s.extend(question)[0, -1].argmax().item()
+            s.rollback(mark)
+            b = s.extend(question)[0, -1].argmax().item()
+            s.rollback(mark)
+            again = s.greedy(first, NEW).tokens[0].tolist()
+        want = ref.generate(ids, max_new_tokens=NEW, do_sample=False)[0, 29:].tolist()
+        out[(arch, "session")] = ([full, full] + want, [a, b] + again)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_greedy_after_cp_prefill_equals_one_process(world):
+    per_rank = run_ranks(world, _rank, ARCHS, deadline=1200)
+    bad = [f"rank {r} {k}: want {w} got {g}" for r, res in enumerate(per_rank) for k, (w, g) in res.items() if w != g]
+    assert not bad, "\n".join(bad)
+    assert len(per_rank[0]) == 3 * len(ARCHS)

@@ -1,0 +1,286 @@
+"""Linear-attention and recurrent families (Gated DeltaNet, KDA, lightning, RG-LRU, RWKV-4, mLSTM) patched under
+CP (gloo, 2, 3 and 4 ranks) against single-process references: logits, loss and every gradient, unpacked (a
+left-padded row) and packed, both layouts and strategies, fp32 and bf16.
+
+References are the definitions: every row (left padding dropped) or every packed document run on its own by the
+unpatched twin. One spawn per world size; every family and case runs inside it, and the test process asserts,
+listing every failure at once.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests.distributed import run_ranks
+from tests.hf_hybrids_linear import FAMILIES, float64_delta_rule, linear_pair
+
+LENGTH, LEAD = 37, 5  # row 1 of the unpacked batch is left-padded by LEAD tokens
+DOCS = (13, 1, 9, 17)  # the packed row: a one-token document (shorter than the conv), documents crossing chunks
+# logits (max abs), loss (rel), grads (max abs error / max abs, per parameter), all grads (rel L2 norm)
+# float64: the attention layers' CP softmax merges in fp32 (DESIGN.md), so 1e-7-level agreement, not 1e-15.
+# bfloat16: errors against the fp32 reference as RATIOS to one bf16 process's own errors against it (a bf16 run of
+# these tiny models is itself up to ~1.5 off in logits): CP in bf16 must be no worse than one process in bf16.
+TOL = {torch.float64: (1e-5, 1e-6, 1e-4, 1e-6), torch.float32: (1e-4, 1e-5, 1e-4, 1e-5),
+       torch.bfloat16: (2.0, 2.0, float("inf"), 2.0)}
+# The delta-rule chunk kernels compute in fp32 whatever the model's dtype, from cumulative log decays: the decay
+# gates' own (small, cancelling) gradients move by up to 2.6e-4 relative in ONE process when only the kernel's
+# chunk size changes (Qwen4-exp, 64 vs 8). So the delta families are compared in float64 with the kernel swapped
+# for its float64 definition (tests.hf_hybrids_linear.float64_delta_rule: CP == one process to the attention
+# core's fp32 merge); the "fp32 kernel" cases run transformers' own kernel, with a per-parameter bound at its spread.
+DELTA_GRAD_TOL = 1e-3
+DELTA = {"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "lara_mini", "qwen4_exp_text",
+         "kimi_linear", "bailing_hybrid", "glm5_next"}
+
+# One family per kind in the default suite (all families, and 4 ranks, in the slow one); Qwen3-Next's 2 key heads
+# and Kimi Linear's 4 heads put every world size here at or above a head count.
+CORE = ("qwen3_next", "kimi_linear", "minimax", "recurrent_gemma", "rwkv", "xlstm")
+
+
+def _rows(ids: torch.Tensor, lead: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(ids[r, n:], torch.arange(n, ids.shape[1])) for r, n in enumerate(lead)]
+
+
+def _reference(ref, pieces):
+    """Every piece run on its own: (logits of each piece, mean loss over all pieces, grads)."""
+    ref.zero_grad()
+    logits, total, count = [], 0.0, 0
+    for ids, pos in pieces:
+        out = ref(input_ids=ids[None], position_ids=pos[None]).logits[0]
+        if ids.numel() > 1:
+            total = total + F.cross_entropy(out[:-1].float(), ids[1:], reduction="sum")
+            count += ids.numel() - 1
+        logits.append(out.detach())
+    loss = total / count
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
+    return logits, loss.detach(), grads
+
+
+def _errors(model, cp, batch, want_logits, real, ref_loss, ref_grads):
+    model.zero_grad()
+    out = model(**cp.shard_batch(batch))
+    out.loss.backward()
+    loss = out.loss.detach().float().clone()
+    dist.all_reduce(loss, group=cp.group)
+    grad_err, diff2, ref2 = 0.0, 0.0, 0.0
+    for n, p in model.named_parameters():
+        if n not in ref_grads:
+            continue
+        g = p.grad.detach().float().clone() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32)
+        dist.all_reduce(g, group=cp.group)
+        want = ref_grads[n].float()
+        grad_err = max(grad_err, ((g - want).abs().max() / want.abs().max().clamp_min(1e-6)).item())
+        diff2, ref2 = diff2 + (g - want).double().pow(2).sum().item(), ref2 + want.double().pow(2).sum().item()
+    logit_err = (out.logits.detach().float() - want_logits.float())[real].abs().max().item()
+    loss_err = abs(loss.item() - ref_loss.item()) / max(abs(ref_loss.item()), 1e-6)
+    return logit_err, loss_err, grad_err, (diff2 / max(ref2, 1e-30)) ** 0.5
+
+
+def _bf16(arch: str, cp, seed: int) -> tuple[float, ...]:
+    """CP in bf16 and one bf16 process, both against the fp32 reference: the ratios of their errors."""
+    import longdoc
+
+    ref32, _ = linear_pair(arch)
+    ref16, model = linear_pair(arch, dtype=torch.bfloat16)
+    longdoc.patch(model, cp)
+    cp_errors = _unpacked(ref32, model, cp, seed)
+    ids = torch.randint(0, 256, (2, LENGTH), generator=torch.Generator().manual_seed(seed))  # _unpacked's batch
+    rows = _rows(ids, [0, LEAD])
+    (l32, loss32, g32), (l16, loss16, g16) = _reference(ref32, rows), _reference(ref16, rows)
+    diff2 = sum((g16[n].float() - g).double().pow(2).sum().item() for n, g in g32.items())
+    one_errors = (max((a.float() - b).abs().max().item() for a, b in zip(l16, l32)),
+                  abs(loss16.item() - loss32.item()) / abs(loss32.item()),
+                  max(((g16[n].float() - g).abs().max() / g.abs().max().clamp_min(1e-6)).item() for n, g in g32.items()),
+                  (diff2 / sum(g.double().pow(2).sum().item() for g in g32.values())) ** 0.5)
+    return tuple(a / max(b, 1e-6) for a, b in zip(cp_errors, one_errors))
+
+
+def _unpacked(ref, model, cp, seed: int, length: int = LENGTH, lead: int = LEAD):
+    ids = torch.randint(0, 256, (2, length), generator=torch.Generator().manual_seed(seed))
+    leads = [0, lead]
+    mask = torch.ones_like(ids)
+    mask[1, :lead] = 0
+    logits, loss, grads = _reference(ref, _rows(ids, leads))
+    padded = -(-length // cp.multiple) * cp.multiple
+    full = torch.zeros(2, padded, logits[0].shape[-1], dtype=logits[0].dtype)
+    real = torch.zeros(2, padded, dtype=torch.bool)
+    for r, lg in enumerate(logits):  # cp.shard_batch rolls a left-padded row: its real tokens come first
+        full[r, :lg.shape[0]] = lg
+        real[r, :lg.shape[0]] = True
+    batch = {"input_ids": ids, "labels": ids, "attention_mask": mask}
+    return _errors(model, cp, batch, cp.shard(full, dim=1), cp.shard(real, dim=1), loss, grads)
+
+
+def _packed(ref, model, cp, seed: int):
+    from transformers import DataCollatorWithFlattening
+
+    from longdoc.parallel.layout import Packed
+
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(0, 256, (n,), generator=g) for n in DOCS]
+    logits, loss, grads = _reference(ref, [(d, torch.arange(d.numel())) for d in docs])
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)(
+        [{"input_ids": d.tolist(), "labels": d.tolist()} for d in docs])
+    batch = {k: v for k, v in batch.items() if not k.startswith("max_length")}
+    total = sum(DOCS)
+    packed = Packed(DOCS).pad_to(cp.multiple)
+    full = torch.zeros(1, packed.seq_len, logits[0].shape[-1], dtype=logits[0].dtype)
+    full[0, :total] = torch.cat(logits)
+    real = torch.zeros(1, packed.seq_len, dtype=torch.bool)
+    real[0, :total] = True
+    want = cp.shard(full, dim=1, documents=packed)
+    return _errors(model, cp, batch, want, cp.shard(real, dim=1, documents=packed), loss, grads)
+
+
+XLSTM_LEN = 96  # whole 4-token chunks per piece at 2, 3 and 4 ranks (zigzag: 4, 6, 8 pieces)
+
+
+def _xlstm_refusals(model, cp) -> list[tuple]:
+    """A length whose pieces are not whole chunks, and a packed row, are refused by name, on every rank."""
+    from longdoc.hf import UnsupportedFeatureError
+    from longdoc.parallel.batch import CPInputError
+
+    out = []
+    ids = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(5))
+    packed = {"input_ids": ids[:, :24], "labels": ids[:, :24],
+              "position_ids": torch.cat([torch.arange(12), torch.arange(12)])[None]}
+    for case, batch, error, words in (("refused: pieces not whole chunks", {"input_ids": ids, "labels": ids},
+                                       CPInputError, "whole chunks of chunk_size=4"),
+                                      ("refused: packed", packed, UnsupportedFeatureError, "packed rows")):
+        try:
+            model(**cp.shard_batch(batch))
+            ok = False
+        except error as e:
+            ok = words in str(e)
+        out.append(("xlstm", case, torch.float32, 0.0 if ok else float("inf"), 0.0, 0.0, 0.0))
+    return out
+
+
+def _rank_families(rank: int, world_size: int, archs: tuple[str, ...], extra: tuple[str, ...]) -> list[tuple]:
+    import longdoc
+
+    cp = longdoc.ContextParallel(timeout=60)
+    results = []
+    for i, arch in enumerate(archs):
+        if arch in DELTA:  # float64 throughout, the delta rule's fp32 chunk kernel swapped for its definition
+            with float64_delta_rule(arch):
+                ref, model = linear_pair(arch, dtype=torch.float64)
+                longdoc.patch(model, cp)
+                results.append((arch, "unpacked+left-pad", torch.float64, *_unpacked(ref, model, cp, seed=10 + i)))
+                results.append((arch, "packed", torch.float64, *_packed(ref, model, cp, seed=50 + i)))
+            continue
+        ref, model = linear_pair(arch)
+        longdoc.patch(model, cp)
+        if arch == "xlstm":  # whole chunks per piece only (see _xlstm_refusals), so no padding
+            results.append((arch, "unpacked", torch.float32, *_unpacked(ref, model, cp, 10 + i, XLSTM_LEN, 0)))
+            results += _xlstm_refusals(model, cp)
+            continue
+        results.append((arch, "unpacked+left-pad", torch.float32, *_unpacked(ref, model, cp, seed=10 + i)))
+        results.append((arch, "packed", torch.float32, *_packed(ref, model, cp, seed=50 + i)))
+    for arch in extra:  # transformers' own fp32 chunk kernel, as users run it
+        ref, model = linear_pair(arch)
+        longdoc.patch(model, cp)
+        results.append((arch, "fp32 kernel", torch.float32, *_unpacked(ref, model, cp, seed=94)))
+        results.append((arch, "fp32 kernel packed", torch.float32, *_packed(ref, model, cp, seed=95)))
+    if extra:  # activation checkpointing (the recompute sees its own documents), the other layout and strategy, bf16
+        ref, model = linear_pair(extra[0])
+        model.activation_checkpointing_enable()
+        model.train()
+        longdoc.patch(model, cp)
+        results.append((extra[0], "packed+checkpointing", torch.float32, *_packed(ref, model, cp, seed=70)))
+        contiguous = longdoc.ContextParallel(layout="contiguous", timeout=60)
+        for arch in extra:
+            ref, model = linear_pair(arch)
+            longdoc.patch(model, contiguous, strategy="allgather")
+            results.append((arch, "allgather+contiguous", torch.float32, *_unpacked(ref, model, contiguous, 90)))
+            results.append((arch, "contiguous packed", torch.float32, *_packed(ref, model, contiguous, 91)))
+            results.append((arch, "bf16 (ratios to one bf16 process)", torch.bfloat16, *_bf16(arch, cp, seed=92)))
+    return results
+
+
+def check(per_rank: list[list[tuple]]) -> None:
+    failures = []
+    for results in per_rank:
+        for arch, case, dtype, logit_err, loss_err, grad_err, grad_norm in results:
+            errors = (logit_err, loss_err, grad_err, grad_norm)
+            tol = list(TOL[dtype])
+            if arch in DELTA and dtype == torch.float32:
+                tol[2] = DELTA_GRAD_TOL
+            if not all(e <= t for e, t in zip(errors, tol)):
+                failures.append(f"{arch} {case}: logits {logit_err:.2e} loss {loss_err:.2e} grads {grad_err:.2e} "
+                                f"(all grads {grad_norm:.2e})")
+    assert not failures, "CP differs from the single-process reference:\n" + "\n".join(sorted(set(failures)))
+
+
+def test_linear_families_cp2_core():
+    check(run_ranks(2, _rank_families, CORE, ("qwen3_next",), deadline=900, pg_timeout=60))
+
+
+def test_linear_families_cp3_core():
+    check(run_ranks(3, _rank_families, ("qwen3_next", "rwkv"), (), deadline=600, pg_timeout=60))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_linear_families_all(world):
+    check(run_ranks(world, _rank_families, tuple(FAMILIES), ("qwen3_next", "kimi_linear"), deadline=2400,
+                    pg_timeout=120))
+
+
+# ---- decoding: greedy after a CP prefill == single-process model.generate, token for token ----
+
+DECODE = ("qwen3_next", "kimi_linear")  # Gated DeltaNet and KDA: state and conv cache carried into decoding
+NEW = 8
+
+
+def _rank_decode(rank: int, world_size: int, archs: tuple[str, ...]) -> dict:
+    import longdoc
+    import longdoc.hf
+
+    cp = longdoc.ContextParallel(timeout=120)
+    out = {}
+    for arch in archs:
+        ref, model = linear_pair(arch)
+        ref.eval()
+        model.eval()
+        longdoc.patch(model, cp)
+        for length in (37, 5):  # 5: fewer tokens per rank than the conv kernel
+            ids = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(length))
+            want = ref.generate(ids, max_new_tokens=NEW, do_sample=False, min_new_tokens=NEW)[0, length:].tolist()
+            got = model.generate(ids, max_new_tokens=NEW)[0, length:].tolist()  # routed to the CP session
+            out[(arch, f"generate/{length}")] = (want, got)
+        # the session's mark / extend / rollback copies the recurrent and conv states
+        ids = torch.randint(0, 256, (1, 29), generator=torch.Generator().manual_seed(3))
+        question = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(4))
+        with torch.no_grad():
+            full = ref(input_ids=torch.cat([ids, question], dim=1)).logits[0, -1].argmax().item()
+        with longdoc.hf.KVSession(model, cp) as s:
+            first = s.prefill(ids)
+            mark = s.mark()
+            a = s.extend(question)[0, -1].argmax().item()
+            s.rollback(mark)
+            b = s.extend(question)[0, -1].argmax().item()
+            s.rollback(mark)
+            again = s.greedy(first, NEW).tokens[0].tolist()
+        want = ref.generate(ids, max_new_tokens=NEW, do_sample=False, min_new_tokens=NEW)[0, 29:].tolist()
+        out[(arch, "session")] = ([full, full] + want, [a, b] + again)
+    # decoding a family whose state the session does not carry is refused by name, on every rank
+    ref, model = linear_pair("minimax")
+    longdoc.patch(model, cp)
+    try:
+        model.generate(torch.zeros(1, 8, dtype=torch.long), max_new_tokens=2)
+        out[("minimax", "refused")] = ("refused", "decoded")
+    except longdoc.hf.UnsupportedFeatureError as e:
+        out[("minimax", "refused")] = ("refused", "refused" if "lightning layers in a KV session" in str(e) else str(e))
+    return out
+
+
+@pytest.mark.parametrize("archs", [DECODE[:1], pytest.param(DECODE, marks=pytest.mark.slow)], ids=["core", "all"])
+def test_greedy_after_cp_prefill_equals_one_process(archs):
+    per_rank = run_ranks(2, _rank_decode, archs, deadline=900, pg_timeout=120)
+    bad = [f"rank {r} {k}: want {w} got {g}" for r, res in enumerate(per_rank) for k, (w, g) in res.items() if w != g]
+    assert not bad, "\n".join(bad)
+    assert len(per_rank[0]) == 3 * len(archs) + 1

@@ -1,0 +1,97 @@
+"""CP-vs-one-process checks for hybrid models (tests/hf_hybrids.py), run inside each rank.
+
+A case is a batch of rows given as documents: plain rows, left/right-padded rows (attention_mask), or packed
+rows (position_ids restarting per document, rows packed differently). The reference runs every document (every
+padded row's real tokens) on its own in one process: logits of each token, the mean loss over all targets,
+and the gradients of that loss. The CP side patches the twin model, runs cp.shard_batch(batch), sums the loss
+shares and the gradients over the group, and gathers the logits back to full rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from longdoc.parallel import layout as layouts
+from longdoc.parallel.batch import documents_of
+
+LENGTH = 40
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    rows: str  # "plain" | "padded" | "packed"
+    layout: str = "zigzag"
+    strategy: str = "ring"
+    checkpointing: bool = False  # activation checkpointing in train mode: the mixers recompute in backward
+
+
+CASES = (Case("plain", "plain"), Case("padded/contiguous/allgather", "padded", "contiguous", "allgather"),
+         Case("packed", "packed"), Case("packed/contiguous/checkpointed", "packed", "contiguous", checkpointing=True))
+PACKED_ROWS = ((17, 3, 20), (5, 35))
+PADDING = ((9, 31, 0), (0, 27, 13))  # (left pads, real tokens, right pads) per row
+
+
+def batch_of(case: Case, seed: int = 0) -> tuple[dict, list[list[tuple[int, int, int]]]]:
+    """(the full batch, per row its documents as (source start, length, start in the gathered row))."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (2, LENGTH), generator=g)
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    if case.rows == "plain":
+        return batch, [[(0, LENGTH, 0)]] * 2
+    if case.rows == "packed":
+        batch["position_ids"] = torch.stack([torch.cat([torch.arange(n) for n in docs]) for docs in PACKED_ROWS])
+        return batch, [[(s, n, s) for s, n in zip(layouts.Packed(d).starts(), d)] for d in PACKED_ROWS]
+    batch["attention_mask"] = torch.stack([torch.tensor([0] * a + [1] * n + [0] * b) for a, n, b in PADDING])
+    return batch, [[(a, n, 0)] for a, n, _ in PADDING]  # shard_batch rolls left padding to the right
+
+
+def reference(model, batch, docs) -> tuple[list[list[torch.Tensor]], float, dict[str, torch.Tensor]]:
+    """Per row per document logits, the mean loss over all targets, and its gradients (one process)."""
+    model.zero_grad()
+    ids = batch["input_ids"]
+    count = sum(n - 1 for row in docs for _, n, _ in row)
+    logits, total = [], 0.0
+    for b, row in enumerate(docs):
+        logits.append([])
+        for s, n, _ in row:
+            x = ids[b:b + 1, s:s + n]
+            out = model(input_ids=x, labels=x)
+            ((out.loss * (n - 1)) / count).backward()
+            total += out.loss.item() * (n - 1) / count
+            logits[-1].append(out.logits.detach()[0].float())
+    grads = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+    return logits, total, grads
+
+
+def compare(model, cp, batch, docs, ref) -> dict[str, float]:
+    """Relative errors of the patched `model` on `cp` against `ref` (loss, logits, gradients)."""
+    ref_logits, ref_loss, ref_grads = ref
+    model.zero_grad()
+    local = cp.shard_batch(batch)
+    out = model(**local)
+    out.loss.backward()
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss, group=cp.group)
+    grad = 0.0
+    for k, p in model.named_parameters():
+        if k not in ref_grads:
+            continue
+        g = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(ref_grads[k])
+        dist.all_reduce(g, group=cp.group)
+        grad = max(grad, ((g.float() - ref_grads[k].float()).abs().max()
+                          / ref_grads[k].float().abs().max().clamp_min(1e-12)).item())
+    logit = 0.0
+    lo = out.logits.detach().float()
+    packed = None
+    if "cu_seq_lens_q" in local:  # the rows' documents as cp.shard_batch laid them out (padding included)
+        packed = documents_of(local["cu_seq_lens_q"], lo.shape[0], lo.shape[1] * cp.size)
+    for b, row in enumerate(docs):
+        full = cp.gather(lo[b:b + 1], dim=1, documents=None if packed is None else packed[b])[0]
+        for (_, n, at), want in zip(row, ref_logits[b]):
+            logit = max(logit, ((full[at:at + n] - want).abs().max() / want.abs().max()).item())
+    return {"loss": abs(loss.item() - ref_loss) / abs(ref_loss), "logits": logit, "grads": grad}
+
