@@ -158,4 +158,5 @@ _MODELING = {arch: f"transformers.models.{_PACKAGES.get(arch, arch)}.modeling_{_
 
 def exact_kernels(arch: str):
     """For tests/survey.py: float64_delta_rule for a delta-rule family, else nothing to swap."""
+    arch = arch if arch in _MODELING else f"{arch}_text"  # the survey names composite types (qwen3_5)
     return float64_delta_rule(arch) if arch in _MODELING else contextlib.nullcontext()

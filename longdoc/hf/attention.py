@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from longdoc.hf import decode
+from longdoc.hf import decode, mask_probe
 from longdoc.hf.kinds import temperature
 from longdoc.hf.modelinfo import model_name, positive_int, refuse
 from longdoc.parallel.api import ContextParallel, attention
@@ -91,6 +91,7 @@ class CPHandle:
         self.kind_calls: dict[str, int] = {}  # layer kinds (longdoc.hf.kinds) run in the current forward, by name
         self.layer_kinds: tuple = ()  # the LayerKinds of the model's swapped modules (longdoc.hf.kinds.attach)
         self.restore: tuple | None = None  # (attn implementation, had own loss_function, that loss_function)
+        self.masks_seen: list | None = None  # the shapes of the masks the current forward built (mask_probe)
 
     @property
     def mode(self) -> str:
@@ -293,6 +294,10 @@ def cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
     pattern = layer_pattern(handle, module, kwargs) if problem is None else None
     if isinstance(pattern, tuple):
         problem = pattern
+    elif pattern is not None and handle.mode in ("train", "prefill"):
+        cp = handle.cp if handle.session is None else handle.session.cp
+        problem = mask_probe.mismatch(handle, pattern.window, pattern.chunk_size is not None,
+                                      query.shape[2] * cp.size)
     if problem is not None:
         raise refuse(handle.model_name, *problem)
     if temperature.is_tuned(module):  # Llama 4 NoPE layers: the queries' scale from each token's row index
@@ -368,6 +373,7 @@ def cp_mask(batch_size: int, q_length: int, kv_length: int, *args, **kwargs) -> 
     pre-hook; 4-D masks never reach this function (transformers passes them through unchanged and
     `cp_attention_forward` refuses them). Models with indexed attention layers get `no_mask` (their code
     slices the mask)."""
+    mask_probe.record(kwargs.get("mask_function"))
     if _indexed(kwargs.get("config")):
         return no_mask(batch_size, q_length, kv_length, kwargs.get("device") or "cpu")
     return None

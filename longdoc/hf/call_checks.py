@@ -128,3 +128,19 @@ def row_lengths_problem(lengths, call: dict, global_len: int) -> InputProblem | 
         return InputProblem(f"{ROW_LENGTHS} that are not the batch's row lengths",
                       "pass the local batch cp.shard_batch made, unchanged")
     return None
+
+
+def layerdrop_problem(module) -> tuple[str, str] | None:
+    """LayerDrop skips whole layers at random in training mode (OPT, BioGPT, XGLM, the BART-style decoders): each
+    CP rank would draw its own skips, run other layers than its peers, and issue other collectives."""
+    config = getattr(module, "config", None)
+    if not getattr(module, "training", False) or config is None:
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key in ("layerdrop", "decoder_layerdrop"):
+        p = getattr(text, key, None)
+        if isinstance(p, (int, float)) and p > 0:
+            return (f"LayerDrop in training mode (config.{key} = {p})",
+                    f"each CP rank would skip other layers than its peers; set config.{key} = 0 (or call "
+                    f"model.eval())")
+    return None

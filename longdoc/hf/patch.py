@@ -28,13 +28,14 @@ import torch
 import torch.nn.functional as F
 
 from longdoc.hf import attention as backend
-from longdoc.hf import kinds, modelinfo, router
+from longdoc.hf import kinds, mask_probe, modelinfo, router
 from longdoc.hf import session as sessions
 from longdoc.hf.attention import CPHandle
 from longdoc.hf.call_checks import (
     PADDING_FIX,
     InputProblem,
     call_problem,
+    layerdrop_problem,
     right_padded,
     row_lengths_problem,
     vocab_problem,
@@ -75,6 +76,7 @@ def _raise(handle: CPHandle, problem: tuple[str, str]):
 
 def _pre_forward(handle: CPHandle, signature: inspect.Signature, module, args, kwargs):
     lengths = kwargs.pop(ROW_LENGTHS, None)  # cp.shard_batch's real row lengths: for longdoc, never the model
+    mask_probe.begin(handle)
     if handle.session is not None:
         return args, kwargs  # a KVSession's own call: it checked its inputs (or the caller ran a plain reference)
     cp = handle.cp
@@ -91,7 +93,7 @@ def _pre_forward(handle: CPHandle, signature: inspect.Signature, module, args, k
     global_len = x.shape[1] * cp.size if x is not None and x.dim() >= 2 else 0
     handle.local_len = x.shape[1] if x is not None and x.dim() >= 2 else 0
     problem = call_problem(handle, call) or vocab_problem(module, call) or \
-        row_lengths_problem(lengths, call, global_len)
+        row_lengths_problem(lengths, call, global_len) or layerdrop_problem(module)
     mask = call.get("attention_mask")
     has_pad = mask is not None and mask.dim() == 2 and not bool(mask.all())
     if cp.size > 1 and cp.check_agreement:
@@ -126,6 +128,7 @@ def _pre_forward(handle: CPHandle, signature: inspect.Signature, module, args, k
 
 
 def _post_forward(handle: CPHandle, n_layers: int, expected: dict[str, int], module, args, kwargs, output):
+    mask_probe.end(handle)
     if handle.session is not None:
         return None  # the session checks its own calls
     backend.check_all_layers(handle, n_layers)
