@@ -86,7 +86,7 @@ def tiny_config(model_type: str):
         config = make(overrides)
     text = config.get_text_config()
     for key, value in vars(text).items():
-        if (key.endswith("dropout") or key.endswith("pdrop")) and isinstance(value, float):
+        if "drop" in key and isinstance(value, float):  # dropout, pdrop, *_dropout_prob, layerdrop
             setattr(text, key, 0.0)
     vocab = getattr(text, "vocab_size", 256)
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
