@@ -195,7 +195,22 @@ def headline(performance_page: str = "performance.md") -> str:
     for n, run in list(zip(att.get("lengths", []), att.get("runs", [])))[-1:]:
         q, ranks = run["ratios"], run["config"]["ranks"]
         lines.append(f"- attention fwd+bwd at {n:,} tokens, {ranks} ranks x 1 thread vs 1 process x {ranks} threads "
-                     f"(SDPA): CP efficiency E = {q['E']:.2f}, zigzag {q['Z']:.2f}x faster than the contiguous layout")
+                     f"(SDPA): CP efficiency E = {q['E']:.2f}, zigzag {q['Z']:.2f}x faster than the contiguous layout"
+                     + (f"; Ulysses E = {q['E_ulysses']:.2f}" if "E_ulysses" in q else ""))
+    hyb = sec.get("hybrid")
+    if hyb:
+        c, per_layer = hyb["config"], hyb.get("bytes_per_layer") or {}
+        moved = ", ".join(f"{k} {v / 1024:,.0f} KiB" for k, v in per_layer.items())
+        lines.append(f"- hybrid model (Granite-4.0-H shape, {c['layers']} layers, Mamba2 + attention) fwd+bwd at "
+                     f"{c['seq_len']:,} tokens: CP efficiency E = {hyb['E']:.2f}, peak {hyb['cp_peak_gib']:.2f} vs "
+                     f"{hyb['single_peak_gib']:.2f} GiB per process" + (f"; per layer a rank receives {moved}"
+                                                                        if moved else ""))
+    sparse = sec.get("dsa")
+    if sparse:
+        c, r = sparse["config"], sparse["ratios"]
+        lines.append(f"- DSA sparse attention (tiny DeepSeek-V3.2 shape) fwd+bwd at {c['seq_len']:,} tokens, "
+                     f"index_topk {c['index_topk']:,}: cp={c['ranks']} {r['speedup_dsa']:.2f}x one process, peak "
+                     f"memory {r['memory_dsa']:.2f}x; DSA {r['dsa_vs_dense_cp']:.2f}x the time of dense causal")
     train = sec.get("train") or []
     for model in dict.fromkeys(r["model"] for r in train):
         one = [r for r in train if r["model"] == model]
