@@ -8,11 +8,12 @@ keys score exactly 0 (every head's relu at 0) and ties at the k-th place are com
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, PreTrainedModel
+
+from tests.hf_cases import eager_causal_lm, twin_pair
 
 TOPK = 8
 _COMMON: dict[str, Any] = dict(
@@ -62,26 +63,24 @@ def dsa_config(arch: str, **overrides: Any):
     return config
 
 
-def _model(config):
+def _model(config) -> PreTrainedModel:
+    """The family's model, eager attention and experts, every weight random."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     if cls is None:  # image-text models (Mistral Large 4): the conditional-generation class, used on text
         from transformers import AutoModelForImageTextToText
-        return AutoModelForImageTextToText.from_config(config, attn_implementation="eager",
-                                                       experts_implementation="eager")
-    return AutoModelForCausalLM.from_config(config, attn_implementation="eager", experts_implementation="eager")
+        model = AutoModelForImageTextToText.from_config(config, attn_implementation="eager",
+                                                        experts_implementation="eager")
+    else:
+        model = eager_causal_lm(config)
+    for name, p in model.named_parameters():  # HF inits some DSA weights to 0 / 1: make every one count
+        if "softmax_scaling" in name or "e_score_correction_bias" in name:
+            p.data.normal_(0.0, 0.3)
+    return model
 
 
 def dsa_pair(arch: str, seed: int = 1, dtype: torch.dtype = torch.float32,
              **overrides: Any) -> tuple[PreTrainedModel, PreTrainedModel]:
     """(reference, twin to patch) with identical weights; eager attention and experts."""
-    config = dsa_config(arch, **overrides)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        ref = _model(config)
-        for name, p in ref.named_parameters():  # HF inits some DSA weights to 0 / 1: make every one count
-            if "softmax_scaling" in name or "e_score_correction_bias" in name:
-                p.data.normal_(0.0, 0.3)
-    ref = ref.to(dtype)
-    return ref, copy.deepcopy(ref)
+    return twin_pair(dsa_config(arch, **overrides), seed, dtype, build=_model)

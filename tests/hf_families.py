@@ -8,11 +8,12 @@ The windows / chunks are WINDOW tokens, far below the tests' lengths, so every s
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, PreTrainedModel
+
+from tests.hf_cases import twin_pair
 
 WINDOW = 7
 _COMMON: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -70,12 +71,7 @@ def family_pair(arch: str, seed: int = 1, dtype: torch.dtype = torch.float32,
                 **overrides: Any) -> tuple[PreTrainedModel, PreTrainedModel]:
     """(reference, twin to patch) with identical weights; eager attention and experts (the reference
     implementation of every pattern, and one that runs in float64)."""
-    config = family_config(arch, **overrides)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        ref = AutoModelForCausalLM.from_config(config, attn_implementation="eager", experts_implementation="eager")
-    ref = ref.to(dtype)
-    return ref, copy.deepcopy(ref)
+    return twin_pair(family_config(arch, **overrides), seed, dtype)
 
 
 LOGITS_TOL, LOSS_TOL, GRAD_TOL = 1e-4, 1e-5, 1e-4  # fp32 tiny models: CP vs one process

@@ -10,11 +10,12 @@ the group count are covered. Add a family: one entry in HYBRIDS (model_type -> c
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, PreTrainedModel
+
+from tests.hf_cases import twin_pair
 
 _COMMON: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                                head_dim=16, vocab_size=256, max_position_embeddings=4096, initializer_range=0.1)
@@ -70,9 +71,4 @@ def hybrid_config(arch: str, **overrides: Any):
 def hybrid_pair(arch: str, seed: int = 1, dtype: torch.dtype = torch.float32,
                 **overrides: Any) -> tuple[PreTrainedModel, PreTrainedModel]:
     """(reference, twin to patch) with identical weights; eager attention and experts."""
-    config = hybrid_config(arch, **overrides)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        ref = AutoModelForCausalLM.from_config(config, attn_implementation="eager", experts_implementation="eager")
-    ref = ref.to(dtype)
-    return ref, copy.deepcopy(ref)
+    return twin_pair(hybrid_config(arch, **overrides), seed, dtype)

@@ -10,11 +10,12 @@ rule), lightning blocks and mLSTM chunks shorter than the tests' pieces, windows
 from __future__ import annotations
 
 import contextlib
-import copy
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, PreTrainedModel
+
+from tests.hf_cases import eager_causal_lm, twin_pair
 
 WINDOW = 7
 _COMMON: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -88,18 +89,13 @@ def linear_model(arch: str, config) -> PreTrainedModel:
 
         return getattr(transformers, _CLASSES[arch])._from_config(config, attn_implementation="eager",
                                                                  experts_implementation="eager")
-    return AutoModelForCausalLM.from_config(config, attn_implementation="eager", experts_implementation="eager")
+    return eager_causal_lm(config)
 
 
 def linear_pair(arch: str, seed: int = 1, dtype: torch.dtype = torch.float32,
                 **overrides: Any) -> tuple[PreTrainedModel, PreTrainedModel]:
     """(reference, twin to patch) with identical weights; eager attention and experts."""
-    config = linear_config(arch, **overrides)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        ref = linear_model(arch, config)
-    ref = ref.to(dtype)
-    return ref, copy.deepcopy(ref)
+    return twin_pair(linear_config(arch, **overrides), seed, dtype, build=lambda config: linear_model(arch, config))
 
 
 hybrid_config = linear_config  # the name tests/survey.py looks up in each family module

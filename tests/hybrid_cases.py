@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from longdoc.parallel import layout as layouts
 from longdoc.parallel.batch import documents_of
+from tests.hf_cases import cp_step
 
 LENGTH = 40
 
@@ -70,12 +71,7 @@ def reference(model, batch, docs) -> tuple[list[list[torch.Tensor]], float, dict
 def compare(model, cp, batch, docs, ref) -> dict[str, float]:
     """Relative errors of the patched `model` on `cp` against `ref` (loss, logits, gradients)."""
     ref_logits, ref_loss, ref_grads = ref
-    model.zero_grad()
-    local = cp.shard_batch(batch)
-    out = model(**local)
-    out.loss.backward()
-    loss = out.loss.detach().clone()
-    dist.all_reduce(loss, group=cp.group)
+    out, local, loss = cp_step(model, cp, batch)
     grad = 0.0
     for k, p in model.named_parameters():
         if k not in ref_grads:

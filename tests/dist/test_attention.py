@@ -12,7 +12,6 @@ from tests.cp_reference import cases, check_cases, run_case
 from tests.distributed import run_ranks
 
 
-
 def _gather_round_trip(cp) -> dict[str, float]:
     """gather(shard(x)) == x exactly on every rank; its gradient is the sum over ranks of their shards."""
     x = torch.arange(2 * 3 * cp.multiple * 4, dtype=torch.float64).reshape(2, 3 * cp.multiple, 4)

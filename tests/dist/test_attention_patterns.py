@@ -14,7 +14,6 @@ from tests.cp_reference import check_cases, pattern_cases, run_pattern_case
 from tests.distributed import run_ranks
 
 
-
 def _cases(rank: int, world_size: int, full: bool) -> list[tuple[tuple, dict[str, float]]]:
     factory = lambda layout: longdoc.ContextParallel(layout=layout, timeout=60)  # noqa: E731
     results = []

@@ -69,7 +69,8 @@ def _worker(rank: int, world: int) -> dict:
         model = tiny_model(arch, seed=i).eval()
         ids = _ids(i, batch, length)
         ref_tokens, ref_logits = reference_greedy(model, ids, n_new)
-        got = generate(model, cp, ids, n_new, strategy=strategy, return_logits=True, eos_token_id=[])  # as the reference
+        # eos_token_id=[]: no early stop, as the reference
+        got = generate(model, cp, ids, n_new, strategy=strategy, return_logits=True, eos_token_id=[])
         out[name] = dict(tokens=got.tokens.tolist(), ref_tokens=ref_tokens.tolist(),
                          logits_err=float((got.logits - ref_logits).abs().max()),
                          impl=model.config._attn_implementation)

@@ -17,7 +17,6 @@ from tests.hf_cases import CASES, cp_step_errors, padded_batch, reference_step
 from tests.hf_families import LOGITS_TOL, check_model_errors
 
 
-
 def _rank_archs(rank: int, world_size: int) -> list[tuple]:
     import longdoc
     from longdoc import models

@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from tests.distributed import run_ranks
+from tests.hf_cases import pieces_reference
 from tests.hf_dsa import ACCEPTANCE, TESTED, TOPK, dsa_pair
 from tests.hf_families import check_model_errors
 
@@ -60,22 +60,17 @@ class _Ties(TorchFunctionMode):
 
 def _reference(ref, pieces):
     """Every piece run on its own: (logits, mean loss, grads, per piece the indexer outputs, ties)."""
-    ref.zero_grad()
-    logits, chosen, total, count = [], [], 0.0, 0
-    ties = _Ties()
-    for ids, pos in pieces:
+    chosen, ties = [], _Ties()
+
+    def forward(ids, pos):
         rec = _Record(ref)
         with ties:
             out = ref(input_ids=ids[None], position_ids=pos[None]).logits[0]
         rec.close()
         chosen.append(rec.out)
-        total = total + F.cross_entropy(out[:-1].float(), ids[1:], reduction="sum")
-        count += ids.numel() - 1
-        logits.append(out.detach())
-    loss = total / count
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
-    return logits, loss.detach(), grads, chosen, ties
+        return out
+
+    return (*pieces_reference(ref, pieces, forward), chosen, ties)
 
 
 def _selection_mismatches(chosen, full, where) -> tuple[int, int]:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
+from tests.hf_cases import session_tokens
 from tests.hf_hybrids import hybrid_pair
 
 ARCHS = ("mamba2", "granitemoehybrid", "falcon_h1", "nemotron_h", "jamba", "zamba", "lfm2", "lfm3", "zaya")
@@ -22,7 +23,6 @@ def _ids(length: int, seed: int) -> torch.Tensor:
 
 def _rank(rank, world, archs):
     import longdoc
-    import longdoc.hf
 
     cp = longdoc.ContextParallel(timeout=120)
     out = {}
@@ -37,19 +37,7 @@ def _rank(rank, world, archs):
             want = ref.generate(ids, max_new_tokens=NEW, do_sample=False)[0, length:].tolist()
             got = model.generate(ids, max_new_tokens=NEW)[0, length:].tolist()  # routed to the CP session
             out[(arch, f"generate/{length}")] = (want, got)
-        ids, question = _ids(29, 3), _ids(6, 4)
-        with torch.no_grad():
-            full = ref(input_ids=torch.cat([ids, question], dim=1)).logits[0, -1].argmax().item()
-        with longdoc.hf.KVSession(model, cp) as s:
-            first = s.prefill(ids)
-            mark = s.mark()
-            a = s.extend(question)[0, -1].argmax().item()
-            s.rollback(mark)
-            b = s.extend(question)[0, -1].argmax().item()
-            s.rollback(mark)
-            again = s.greedy(first, NEW).tokens[0].tolist()
-        want = ref.generate(ids, max_new_tokens=NEW, do_sample=False)[0, 29:].tolist()
-        out[(arch, "session")] = ([full, full] + want, [a, b] + again)
+        out[(arch, "session")] = session_tokens(ref, model, cp, _ids(29, 3), _ids(6, 4), NEW)
     return out
 
 

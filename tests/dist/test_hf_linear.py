@@ -12,13 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from tests.distributed import run_ranks
+from tests.hf_cases import LEAD, LENGTH, cp_step, packed_case, pieces_reference, rows_of, session_tokens, unpacked_case
 from tests.hf_hybrids_linear import FAMILIES, float64_delta_rule, linear_pair
 
-LENGTH, LEAD = 37, 5  # row 1 of the unpacked batch is left-padded by LEAD tokens
-DOCS = (13, 1, 9, 17)  # the packed row: a one-token document (shorter than the conv), documents crossing chunks
+# Batches from tests.hf_cases: rows of LENGTH tokens, one left-padded by LEAD, and a packed row of DOCS (a one-token
+# document, shorter than the conv kernel, and documents crossing chunks).
 # logits (max abs), loss (rel), grads (max abs error / max abs, per parameter), all grads (rel L2 norm)
 # float64: the attention layers' CP softmax merges in fp32 (DESIGN.md), so 1e-7-level agreement, not 1e-15.
 # bfloat16: errors against the fp32 reference as RATIOS to one bf16 process's own errors against it (a bf16 run of
@@ -39,32 +39,10 @@ DELTA = {"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "lara_
 CORE = ("qwen3_next", "kimi_linear", "minimax", "recurrent_gemma", "rwkv", "xlstm")
 
 
-def _rows(ids: torch.Tensor, lead: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(ids[r, n:], torch.arange(n, ids.shape[1])) for r, n in enumerate(lead)]
-
-
-def _reference(ref, pieces):
-    """Every piece run on its own: (logits of each piece, mean loss over all pieces, grads)."""
-    ref.zero_grad()
-    logits, total, count = [], 0.0, 0
-    for ids, pos in pieces:
-        out = ref(input_ids=ids[None], position_ids=pos[None]).logits[0]
-        if ids.numel() > 1:
-            total = total + F.cross_entropy(out[:-1].float(), ids[1:], reduction="sum")
-            count += ids.numel() - 1
-        logits.append(out.detach())
-    loss = total / count
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
-    return logits, loss.detach(), grads
-
-
 def _errors(model, cp, batch, want_logits, real, ref_loss, ref_grads):
-    model.zero_grad()
-    out = model(**cp.shard_batch(batch))
-    out.loss.backward()
-    loss = out.loss.detach().float().clone()
-    dist.all_reduce(loss, group=cp.group)
+    """As tests.hf_cases.cp_pattern_errors, but in fp32 (loss and grads summed and compared there), the loss error
+    relative, and a 4th error: all grads together (relative L2 norm)."""
+    out, _, loss = cp_step(model, cp, batch, loss_dtype=torch.float32)
     grad_err, diff2, ref2 = 0.0, 0.0, 0.0
     for n, p in model.named_parameters():
         if n not in ref_grads:
@@ -88,51 +66,23 @@ def _bf16(arch: str, cp, seed: int) -> tuple[float, ...]:
     longdoc.patch(model, cp)
     cp_errors = _unpacked(ref32, model, cp, seed)
     ids = torch.randint(0, 256, (2, LENGTH), generator=torch.Generator().manual_seed(seed))  # _unpacked's batch
-    rows = _rows(ids, [0, LEAD])
-    (l32, loss32, g32), (l16, loss16, g16) = _reference(ref32, rows), _reference(ref16, rows)
+    rows = rows_of(ids, [0, LEAD])
+    (l32, loss32, g32), (l16, loss16, g16) = pieces_reference(ref32, rows), pieces_reference(ref16, rows)
     diff2 = sum((g16[n].float() - g).double().pow(2).sum().item() for n, g in g32.items())
     one_errors = (max((a.float() - b).abs().max().item() for a, b in zip(l16, l32)),
                   abs(loss16.item() - loss32.item()) / abs(loss32.item()),
-                  max(((g16[n].float() - g).abs().max() / g.abs().max().clamp_min(1e-6)).item() for n, g in g32.items()),
+                  max(((g16[n].float() - g).abs().max() / g.abs().max().clamp_min(1e-6)).item()
+                      for n, g in g32.items()),
                   (diff2 / sum(g.double().pow(2).sum().item() for g in g32.values())) ** 0.5)
     return tuple(a / max(b, 1e-6) for a, b in zip(cp_errors, one_errors))
 
 
 def _unpacked(ref, model, cp, seed: int, length: int = LENGTH, lead: int = LEAD):
-    ids = torch.randint(0, 256, (2, length), generator=torch.Generator().manual_seed(seed))
-    leads = [0, lead]
-    mask = torch.ones_like(ids)
-    mask[1, :lead] = 0
-    logits, loss, grads = _reference(ref, _rows(ids, leads))
-    padded = -(-length // cp.multiple) * cp.multiple
-    full = torch.zeros(2, padded, logits[0].shape[-1], dtype=logits[0].dtype)
-    real = torch.zeros(2, padded, dtype=torch.bool)
-    for r, lg in enumerate(logits):  # cp.shard_batch rolls a left-padded row: its real tokens come first
-        full[r, :lg.shape[0]] = lg
-        real[r, :lg.shape[0]] = True
-    batch = {"input_ids": ids, "labels": ids, "attention_mask": mask}
-    return _errors(model, cp, batch, cp.shard(full, dim=1), cp.shard(real, dim=1), loss, grads)
+    return _errors(model, cp, *unpacked_case(ref, cp, seed, length, lead))
 
 
 def _packed(ref, model, cp, seed: int):
-    from transformers import DataCollatorWithFlattening
-
-    from longdoc.parallel.layout import Packed
-
-    g = torch.Generator().manual_seed(seed)
-    docs = [torch.randint(0, 256, (n,), generator=g) for n in DOCS]
-    logits, loss, grads = _reference(ref, [(d, torch.arange(d.numel())) for d in docs])
-    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)(
-        [{"input_ids": d.tolist(), "labels": d.tolist()} for d in docs])
-    batch = {k: v for k, v in batch.items() if not k.startswith("max_length")}
-    total = sum(DOCS)
-    packed = Packed(DOCS).pad_to(cp.multiple)
-    full = torch.zeros(1, packed.seq_len, logits[0].shape[-1], dtype=logits[0].dtype)
-    full[0, :total] = torch.cat(logits)
-    real = torch.zeros(1, packed.seq_len, dtype=torch.bool)
-    real[0, :total] = True
-    want = cp.shard(full, dim=1, documents=packed)
-    return _errors(model, cp, batch, want, cp.shard(real, dim=1, documents=packed), loss, grads)
+    return _errors(model, cp, *packed_case(ref, cp, seed))
 
 
 XLSTM_LEN = 96  # whole 4-token chunks per piece at 2, 3 and 4 ranks (zigzag: 4, 6, 8 pieces)
@@ -255,18 +205,7 @@ def _rank_decode(rank: int, world_size: int, archs: tuple[str, ...]) -> dict:
         # the session's mark / extend / rollback copies the recurrent and conv states
         ids = torch.randint(0, 256, (1, 29), generator=torch.Generator().manual_seed(3))
         question = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(4))
-        with torch.no_grad():
-            full = ref(input_ids=torch.cat([ids, question], dim=1)).logits[0, -1].argmax().item()
-        with longdoc.hf.KVSession(model, cp) as s:
-            first = s.prefill(ids)
-            mark = s.mark()
-            a = s.extend(question)[0, -1].argmax().item()
-            s.rollback(mark)
-            b = s.extend(question)[0, -1].argmax().item()
-            s.rollback(mark)
-            again = s.greedy(first, NEW).tokens[0].tolist()
-        want = ref.generate(ids, max_new_tokens=NEW, do_sample=False, min_new_tokens=NEW)[0, 29:].tolist()
-        out[(arch, "session")] = ([full, full] + want, [a, b] + again)
+        out[(arch, "session")] = session_tokens(ref, model, cp, ids, question, NEW, min_new_tokens=NEW)
     # decoding a family whose state the session does not carry is refused by name, on every rank
     ref, model = linear_pair("minimax")
     longdoc.patch(model, cp)

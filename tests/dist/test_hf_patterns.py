@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 from tests.distributed import run_ranks
-from tests.hf_cases import (LEAD, LENGTH, NEW, PROMPT, greedy_reference, packed_errors, rows_of,
-                            unpacked_errors)
+from tests.hf_cases import LEAD, LENGTH, NEW, PROMPT, greedy_reference, packed_errors, rows_of, unpacked_errors
 from tests.hf_families import CORE_FAMILIES, FAMILIES, check_model_errors, family_pair
 
 

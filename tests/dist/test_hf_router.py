@@ -108,8 +108,9 @@ def _mean(refs):
 
 
 def _rank(rank: int, world_size: int, cp_size: int, archs: tuple[str, ...]) -> list[tuple]:
-    import longdoc
     from transformers import DataCollatorWithFlattening
+
+    import longdoc
 
     dp = world_size // cp_size
     cp_groups = [dist.new_group(list(range(r * cp_size, (r + 1) * cp_size))) for r in range(dp)]

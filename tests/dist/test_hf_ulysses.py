@@ -9,8 +9,17 @@ from __future__ import annotations
 import torch
 
 from tests.distributed import run_ranks
-from tests.hf_cases import CASES, NEW, PROMPT, cp_step_errors, greedy_reference, packed_errors, padded_batch
-from tests.hf_cases import reference_step, unpacked_errors
+from tests.hf_cases import (
+    CASES,
+    NEW,
+    PROMPT,
+    cp_step_errors,
+    greedy_reference,
+    packed_errors,
+    padded_batch,
+    reference_step,
+    unpacked_errors,
+)
 from tests.hf_families import CORE_FAMILIES, check_model_errors, family_pair
 
 

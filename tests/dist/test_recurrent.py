@@ -67,25 +67,29 @@ def _cases(cp, world):
         for decay in ("near0", "near1"):
             tag = f"{rows}/{decay}"
             g = torch.Generator().manual_seed(world)  # the same parameters on every rank
-            D, bias = torch.rand(4, generator=g, dtype=torch.float64), torch.rand(4, generator=g, dtype=torch.float64) - 0.5
+            D = torch.rand(4, generator=g, dtype=torch.float64)
+            bias = torch.rand(4, generator=g, dtype=torch.float64) - 0.5
             x, dt, A, B, C = ref.ssd_inputs(2, length, 4, 3, 1, 5, seed=world, decay=decay)
             rec = SSD(ref.ssd_scan, A, 4, D=D, dt_bias=bias, dt_softplus=True)
             yield ("ssd/" + tag, lambda t=(x, dt, B, C): [v.clone() for v in t], rec, (1, 1, 1, 1), 1, length, docs,
                    lambda ins, dd, fe, A=A, D=D, bias=bias: _per_doc(
-                       lambda x, dt, B, C: ref.ssd_sequential(x, dt, A, B, C, D, bias, True), ins, (1, 1, 1, 1), 1,
+                       lambda xs, dts, Bs, Cs: ref.ssd_sequential(xs, dts, A, Bs, Cs, D, bias, True), ins,
+                       (1, 1, 1, 1), 1,
                        dd, length, fe))
             x, dt, A, B, C, _ = ref.selective_inputs(2, length, 6, 4, seed=world, decay=decay)
             D6 = torch.rand(6, generator=g, dtype=torch.float64)
             rec = Selective(ref.selective_scan, A, D=D6, delta_bias=bias.repeat(2)[:6], delta_softplus=True)
             yield ("selective/" + tag, lambda t=(x, dt, B, C): [v.clone() for v in t], rec, (2, 2, 2, 2), 2, length,
                    docs, lambda ins, dd, fe, A=A, D6=D6, bias=bias: _per_doc(
-                       lambda x, dt, B, C: ref.selective_sequential(x, dt, A, B, C, D6, None, bias.repeat(2)[:6], True), ins,
+                       lambda xs, dts, Bs, Cs: ref.selective_sequential(xs, dts, A, Bs, Cs, D6, None,
+                                                                        bias.repeat(2)[:6], True), ins,
                        (2, 2, 2, 2), 2, dd, length, fe))
         M, u, c = ref.dense_inputs(2, length, 3, seed=world)
         toy = ref.DenseToy()
         yield (f"dense/{rows}", lambda t=(M, u, c): [v.clone() for v in t],
                toy, (1, 1, 1), 1, length, docs,
-               lambda ins, dd, fe: _per_doc(lambda M, u, c: toy.scan(M, u, c)[:2], ins, (1, 1, 1), 1, dd, length, fe))
+               lambda ins, dd, fe, toy=toy: _per_doc(lambda Ms, us, cs: toy.scan(Ms, us, cs)[:2], ins, (1, 1, 1), 1,
+                                                     dd, length, fe))
 
 
 def _halo_case(cp, length, docs, kernel) -> dict[str, float]:

@@ -36,7 +36,8 @@ def _worker(rank: int, world: int) -> dict:
         cut = next((k for k, t in enumerate(out) if t in stops), len(out))
         refs.append((task, 1, tok.decode(out[:cut], skip_special_tokens=True)))
     rows = lambda res: [(r["task"], r["index"], r["prediction"], r["score"]) for r in res["rows"]]  # noqa: E731
-    return {"two": rows(two), "one": rows(one), "refs": refs, "grid": two["grid"], "impl": model.config._attn_implementation}
+    return {"two": rows(two), "one": rows(one), "refs": refs, "grid": two["grid"],
+            "impl": model.config._attn_implementation}
 
 
 @pytest.fixture(scope="module")

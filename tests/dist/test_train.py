@@ -4,7 +4,6 @@ gradient norms on every rank, the same reduced gradients, and the same final wei
 from __future__ import annotations
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from tests.training import max_rel_err, ranks, tiny_recipe, train_on_ranks
