@@ -38,9 +38,12 @@ class HybridBenchConfig:
     repeats: int = 2
     layers: int = 10  # one attention layer in ten, as Granite 4.0-H
     hidden: int = 256
-    mamba_heads: int = 16  # x mamba_head_dim 32 = 2 x hidden (expand 2), n_groups 1
-    state: int = 64
-    chunk: int = 128
+    # transformers' torch SSD path keeps (chunk x chunk x heads x state) intermediates per chunk for backward: at
+    # 16 heads, state 64, chunk 128 two CP ranks of 8k tokens each outgrew this machine's 24 GiB (measured); 8 heads
+    # of 64, state 32, chunk 64 fit (about 11 GiB one process, 9 GiB a rank, extrapolated from 4k)
+    mamba_heads: int = 8  # x mamba_head_dim 64 = 2 x hidden (expand 2), n_groups 1
+    state: int = 32
+    chunk: int = 64
     vocab: int = 2048
     dtype: str = "float32"
 
@@ -93,17 +96,17 @@ def counting(counts: dict[str, int]):
 
     saved = comm.all_gather, comm.reduce_scatter, comm.Ring.shift
 
-    def all_gather(x, group, timeout):
+    def all_gather(x, group, *args, **kwargs):
         add(caller(), (dist.get_world_size(group) - 1) * x.numel() * x.element_size())
-        return saved[0](x, group, timeout)
+        return saved[0](x, group, *args, **kwargs)
 
-    def reduce_scatter(parts, group, timeout):
+    def reduce_scatter(parts, *args, **kwargs):
         add(caller(), sum(p.numel() * p.element_size() for p in parts[1:]))
-        return saved[1](parts, group, timeout)
+        return saved[1](parts, *args, **kwargs)
 
-    def shift(self, send, recv, tag=0):
+    def shift(self, send, recv, *args, **kwargs):
         add(caller(), recv.numel() * recv.element_size())
-        return saved[2](self, send, recv, tag)
+        return saved[2](self, send, recv, *args, **kwargs)
 
     comm.all_gather, comm.reduce_scatter, comm.Ring.shift = all_gather, reduce_scatter, shift
     try:
