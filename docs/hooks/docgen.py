@@ -179,17 +179,25 @@ def performance() -> str:
 
 
 def _suite() -> dict:
-    for _, data in _bench_files():
-        if "sections" in data:
-            return data
-    raise FileNotFoundError("no longdoc bench suite result (a json with 'sections') under docs/bench/")
+    """The published suite results merged, each section from the newest run that has it (bench.json is the last
+    full run; a later run of some sections, such as `longdoc bench attention hybrid dsa`, is published beside it
+    under its own name), with the dates of the runs used."""
+    runs = sorted((data for _, data in _bench_files() if "sections" in data), key=lambda d: d.get("started", ""))
+    if not runs:
+        raise FileNotFoundError("no longdoc bench suite result (a json with 'sections') under docs/bench/")
+    sections, dates = {}, {}
+    for data in runs:
+        for name, value in data["sections"].items():
+            sections[name] = value
+            dates[name] = data.get("started", "?")[:10]
+    return {"machine": runs[-1]["machine"], "sections": sections, "dates": sorted(set(dates.values()))}
 
 
 def headline(performance_page: str = "performance.md") -> str:
     """The headline numbers, computed from the suite result (so they are not typed by hand)."""
     s = _suite()
     sec = s["sections"]
-    lines = [f"Measured by `make bench` on {s['machine'].get('cpus')} CPU cores ({s['started'][:10]}; full tables "
+    lines = [f"Measured by `make bench` on {s['machine'].get('cpus')} CPU cores ({', '.join(s['dates'])}; full tables "
              f"and plots: [performance]({performance_page})):", ""]
     att = sec.get("attention") or {}
     for n, run in list(zip(att.get("lengths", []), att.get("runs", [])))[-1:]:
@@ -209,7 +217,8 @@ def headline(performance_page: str = "performance.md") -> str:
     if sparse:
         c, r = sparse["config"], sparse["ratios"]
         lines.append(f"- DSA sparse attention (tiny DeepSeek-V3.2 shape) fwd+bwd at {c['seq_len']:,} tokens, "
-                     f"index_topk {c['index_topk']:,}: cp={c['ranks']} {r['speedup_dsa']:.2f}x one process, peak "
+                     f"index_topk {c['index_topk']:,}: cp={c['ranks']} {r['speedup_dsa']:.2f}x one process "
+                     f"(transformers' eager path), peak "
                      f"memory {r['memory_dsa']:.2f}x; DSA {r['dsa_vs_dense_cp']:.2f}x the time of dense causal")
     train = sec.get("train") or []
     for model in dict.fromkeys(r["model"] for r in train):
