@@ -373,7 +373,7 @@ def cp_mask(batch_size: int, q_length: int, kv_length: int, *args, **kwargs) -> 
     pre-hook; 4-D masks never reach this function (transformers passes them through unchanged and
     `cp_attention_forward` refuses them). Models with indexed attention layers get `no_mask` (their code
     slices the mask)."""
-    mask_probe.record(kwargs.get("mask_function"))
+    mask_probe.record(kwargs.get("mask_function"), kv_length)
     if _indexed(kwargs.get("config")):
         return no_mask(batch_size, q_length, kv_length, kwargs.get("device") or "cpu")
     return None

@@ -18,7 +18,7 @@ import threading
 
 import torch
 
-_PROBE = 1 << 22  # far beyond any window a config names; the probe is one (4M,) bool vector per mask
+_PROBE = 1 << 22  # default probe position: far beyond any window a config names (one 4M bool vector)
 CAUSAL = "causal"
 
 _active = threading.local()
@@ -41,13 +41,15 @@ def _visible(mask_function, q: int) -> torch.Tensor:
     return torch.as_tensor(mask_function(zero, zero, torch.tensor(q), kv)).to(torch.bool).reshape(-1)
 
 
-def shape_of(mask_function) -> str | int | None:
-    """CAUSAL, a window (int: keys visible, the query's own included), or None when not one of those."""
+def shape_of(mask_function, probe: int = _PROBE) -> str | int | None:
+    """CAUSAL, a window (int: keys visible, the query's own included), or None when not one of those. Windows
+    of `probe` keys or more read as CAUSAL (they hide nothing in a row of at most `probe` tokens)."""
     if not callable(mask_function):
         return None
+    points = (probe, probe + probe // 3 + 1)
     try:
         runs = []
-        for q in (_PROBE, _PROBE + 12_345):
+        for q in points:
             seen = _visible(mask_function, q)
             if seen.shape[0] != q + 2 or bool(seen[q + 1]) or not bool(seen[q]):
                 return None  # not causal (a key after the query is visible, or the query's own is not)
@@ -57,16 +59,23 @@ def shape_of(mask_function) -> str | int | None:
             runs.append(q + 1 - first)
     except Exception:  # noqa: BLE001 - a mask function that reads tensors (padding, documents) at other indices
         return None
-    if runs[0] == _PROBE + 1 and runs[1] == _PROBE + 12_346:
+    if runs[0] >= probe:
         return CAUSAL
     return runs[0] if runs[0] == runs[1] else None
 
 
-def record(mask_function) -> None:
-    """Called by the mask interface function: note the shape of the mask the model is building."""
+def record(mask_function, kv_length: int) -> None:
+    """Called by the mask interface function with this rank's `kv_length`: note the shape of the mask the model is
+    building, probed at the global row length (KV-session extend calls are not judged, so not probed)."""
     handle = getattr(_active, "handle", None)
-    if handle is not None and getattr(handle, "masks_seen", None) is not None:
-        handle.masks_seen.append(shape_of(mask_function))
+    if handle is None or getattr(handle, "masks_seen", None) is None:
+        return
+    session = handle.session
+    if session is not None and session.mode == "extend":
+        return
+    cp = handle.cp if session is None else session.cp
+    length = kv_length * (cp.size if cp is not None else 1)
+    handle.masks_seen.append(shape_of(mask_function, max(length, 64)))
 
 
 def _effective(shape, length: int):
