@@ -6,10 +6,10 @@ the call (`sliding_window=`, the module's attribute, config.layer_types). A mode
 from its config yet never pass the window to its attention function (transformers' PhiMoE does: its eager and
 sdpa paths see the window only through the mask). Then the CP core would compute full causal attention where
 one process computes a window. Every mask function transformers builds in one forward is probed here at two
-far-away query positions: a constant visible run of keys ending at the query is a window, all earlier keys is
-full causal; anything else (padding, packed documents, chunks, bidirectional overlays: functions that read
-tensors or depend on the position) is "unknown" and leaves the check out, as do extend calls of a KV session,
-which build no mask of their own.
+query positions from the row's global length on: a constant visible run of keys ending at the query is a window,
+all earlier keys (or a run as long as the row) is full causal; anything else (padding, packed documents, chunks,
+bidirectional overlays: functions that read tensors or depend on the position) is "unknown" and leaves the check
+out, as do extend calls of a KV session, which build no mask of their own.
 """
 
 from __future__ import annotations
