@@ -10,7 +10,7 @@ A transformers mixer calls module-level functions for its sequence mixing (causa
 mamba_selective_scan, ...: the entry points that mamba_ssm / causal_conv1d / hub kernels replace). `route`
 swaps them, for the duration of one call of that mixer and on its thread only, for CP versions built on
 longdoc.parallel.recurrent; everything else (projections, gates, norms, multipliers) is the model's own code.
-The swapped-in functions call transformers' own pure-torch function (`__wrapped__`) on each piece, never a fused
+The swapped-in functions call transformers' own pure-torch function (`torch_path`) on each piece, never a fused
 kernel on sharded tokens. `hooks(module)` lists the entry points a mixer's code calls, so a kind refuses (by
 name) a mixer that calls one it has no route for.
 
@@ -36,6 +36,11 @@ from longdoc.hf import attention as backend
 from longdoc.parallel.recurrent import Segments, halo
 
 _CACHE_KWARGS = ("cache", "cache_params", "past_key_values")
+
+# transformers >= 5.25: hub-replaceable wrappers around a mixer's conv and scan, which read and write the cache and
+# call the routed kernel entry points inside. Under CP each runs as its own torch function (`through`), so the entry
+# points it calls are routed, and a hub kernel that replaces the whole wrapper never runs on sharded tokens.
+PASS_THROUGH = frozenset({"causal_conv1d_forward", "mamba2_scan_forward", "mamba_scan_forward"})
 
 
 def prefill_segments(cp, total: int, padded: int) -> Segments:
@@ -100,7 +105,7 @@ def forward(module, handle, original, args: tuple, kwargs: dict, routes: Callabl
     if handle.mode == "extend":
         return original(*args, **kwargs)
     call, used = Call.of(module, handle, kwargs), set()
-    with route(module, routes(call), used):
+    with route(module, {**dict.fromkeys(PASS_THROUGH, through), **routes(call)}, used):
         out = original(*args, **without_cache(handle, kwargs))
     missing = sorted(required - used)
     if missing:
@@ -120,34 +125,103 @@ def without_cache(handle, kwargs: dict) -> dict:
 
 
 def torch_path(fn: Callable) -> Callable:
-    """transformers' pure-torch function behind a kernel entry point (use_kernel_func_from_hub_with_fallback
-    wraps it with functools.wraps), or `fn` itself when it is not wrapped."""
-    return getattr(fn, "__wrapped__", fn)
+    """transformers' pure-torch function behind a kernel entry point, or `fn` itself when it is no entry point.
+
+    transformers wraps each entry point with use_kernel_func_from_hub_with_fallback: a function that dispatches to
+    a fused package (mamba_ssm, causal_conv1d, fla) when one is installed, made with functools.wraps, so the torch
+    function is its `__wrapped__` (transformers <= 5.24, without the `kernels` package). With `kernels` installed
+    (a dependency of transformers >= 5.25) that function is further turned into an instance of a `Func`
+    nn.Module whose class forward calls it (kernels' _create_func_module), so the torch function sits one level
+    deeper; 5.25 also has entry points that only a hub kernel may replace (use_kernel_forward_from_hub on the torch
+    function itself, e.g. mamba2's causal_conv1d_forward), whose Func calls the torch function directly. An object that looks like such a wrapper but whose torch function cannot be found raises: calling it
+    would run a fused kernel on CP-sharded tokens."""
+    inner = _kernel_func(fn)
+    if inner is None:
+        return fn
+    return getattr(inner, "__wrapped__", inner)
 
 
-def hooks(module: torch.nn.Module) -> set[str]:
-    """Kernel entry points (module-level functions wrapping a torch fallback) that the mixer's class code calls."""
-    namespace = vars(sys.modules[type(module).__module__])
-    names: set[str] = set()
+def is_entry_point(value: object) -> bool:
+    """Whether a module-level object is a kernel entry point (see `torch_path`)."""
+    return _kernel_func(value) is not None
+
+
+def _kernel_func(value: object) -> Callable | None:
+    """The function a kernel entry point calls when no hub kernel replaces it (a dispatcher carrying
+    `__wrapped__`, or, for a function only a hub kernel may replace, the torch function itself), or None."""
+    if isinstance(value, torch.nn.Module):
+        if type(value).__name__ != "Func" or "_create_func_module" not in type(value).__qualname__:
+            return None
+        forward = type(value).__dict__.get("forward")
+        func = inspect.getclosurevars(forward).nonlocals.get("func") if forward is not None else None
+        if not inspect.isfunction(func):
+            raise EntryPointError(f"a kernels Func entry point ({type(value).__qualname__}) whose torch function "
+                                  f"longdoc cannot find (its forward no longer closes over a function `func`): the "
+                                  f"`kernels` package changed how it wraps functions; pin the versions in "
+                                  f"constraints.txt")
+        return func
+    if inspect.isfunction(value) and hasattr(value, "__wrapped__"):
+        return value
+    return None
+
+
+class EntryPointError(RuntimeError):
+    """Kernel entry-point discovery no longer understands how transformers wraps its torch functions."""
+
+
+def referenced(module: torch.nn.Module) -> set[str]:
+    """Global names that the mixer's transformers class code (its methods, through every base) refers to, and
+    those that the torch functions of the PASS_THROUGH wrappers it calls refer to (they run under CP too)."""
+    codes = []
     for cls in type(module).__mro__:
         if not cls.__module__.startswith("transformers."):
             continue
         for value in vars(cls).values():
             fn = inspect.unwrap(value) if callable(value) else None
-            code = getattr(fn, "__code__", None)
-            if code is not None:
-                names.update(code.co_names)
-    return {n for n in names if callable(namespace.get(n)) and hasattr(namespace[n], "__wrapped__")}
+            codes.append(getattr(fn, "__code__", None))
+    namespace = vars(sys.modules[type(module).__module__])
+    names: set[str] = set()
+    while codes:
+        code = codes.pop()
+        if code is None:
+            continue
+        for name in set(code.co_names) - names:
+            names.add(name)
+            if name in PASS_THROUGH and name in namespace:
+                codes.append(getattr(torch_path(namespace[name]), "__code__", None))
+    return names
+
+
+def hooks(module: torch.nn.Module) -> set[str]:
+    """Kernel entry points (module-level functions wrapping a torch fallback) that the mixer's class code calls."""
+    namespace = vars(sys.modules[type(module).__module__])
+    return {n for n in referenced(module) if n in namespace and is_entry_point(namespace[n])}
 
 
 def unrouted(module: torch.nn.Module, routes: set[str]) -> tuple[str, str] | None:
-    """(feature, fix) when the mixer calls a kernel entry point the kind has no CP route for."""
-    missing = sorted(hooks(module) - routes)
+    """(feature, fix) when the mixer calls a kernel entry point the kind has no CP route for.
+
+    Raises EntryPointError when the discovery is blind: a routed name that the mixer's code calls is not
+    recognised as an entry point, so an unrouted one would not be either (a guard that goes blind fails loudly)."""
+    found, routes = hooks(module), routes | PASS_THROUGH
+    namespace = vars(sys.modules[type(module).__module__])
+    blind = sorted(n for n in routes & referenced(module) if n in namespace and n not in found)
+    if blind:
+        raise EntryPointError(f"longdoc cannot recognise {', '.join(blind)} in {type(module).__module__} as kernel "
+                              f"entry points (transformers changed how it wraps them?), so it cannot tell whether "
+                              f"{type(module).__name__} calls one it does not route; pin the versions in "
+                              f"constraints.txt")
+    missing = sorted(found - routes)
     if missing:
         return (f"{type(module).__name__} calling {', '.join(missing)} (a fused-kernel entry point without a "
                 f"context-parallel route)", "run this model without CP, or with a transformers version whose "
                 "mixer longdoc knows")
     return None
+
+
+def through(fn: Callable, *args, **kwargs):
+    """The route of a wrapper entry point (PASS_THROUGH): its own torch function, whose inner calls are routed."""
+    return fn(*args, **kwargs)
 
 
 def never(name: str) -> Callable:

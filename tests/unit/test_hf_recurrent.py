@@ -94,3 +94,60 @@ def test_tiny_hybrids_are_in_the_tiny_registry(arch):
     cp = longdoc.ContextParallel()
     ids = torch.randint(0, 256, (1, 12))
     assert torch.isfinite(patch(model, cp)(**cp.shard_batch({"input_ids": ids, "labels": ids})).loss)
+
+
+def _torch_fn(x, weight):
+    return x + weight
+
+
+def _entry_points():
+    """The same torch function behind both wrappings of transformers' kernel entry points: functools.wraps alone
+    (transformers <= 5.24 without the `kernels` package) and a kernels `Func` module around that (>= 5.25)."""
+    import functools
+
+    from kernels import use_kernel_forward_from_hub
+
+    @functools.wraps(_torch_fn)
+    def dispatch(*args, **kwargs):  # as use_kernel_func_from_hub_with_fallback's `wrapped`: may pick a fused kernel
+        raise AssertionError("the dispatcher ran: a fused kernel would have run on CP-sharded tokens")
+
+    return {"functools": dispatch, "kernels Func": use_kernel_forward_from_hub("longdoc_test_fn")(dispatch)}
+
+
+@pytest.mark.parametrize("wrapping", ["functools", "kernels Func"])
+def test_torch_path_reaches_the_torch_function_behind_either_wrapping(wrapping):
+    entry = _entry_points()[wrapping]
+    assert recurrent.is_entry_point(entry)
+    assert recurrent.torch_path(entry) is _torch_fn
+    assert recurrent.torch_path(_torch_fn) is _torch_fn and not recurrent.is_entry_point(_torch_fn)
+
+
+def test_the_installed_transformers_entry_points_are_found_and_unwrapped():
+    import transformers.models.mamba2.modeling_mamba2 as m2
+
+    for name in ("causal_conv1d_fn", "mamba2_chunk_scan"):
+        fn = recurrent.torch_path(getattr(m2, name))
+        assert fn.__module__ == m2.__name__ and fn.__code__.co_filename == m2.__file__, name
+        assert not recurrent.is_entry_point(fn), name
+
+
+def test_a_func_module_whose_torch_function_cannot_be_found_fails_loudly():
+    from kernels import use_kernel_forward_from_hub
+
+    def bare(x):  # a hub-replaceable torch function: its Func calls it directly
+        return x
+
+    entry = use_kernel_forward_from_hub("longdoc_test_bare")(bare)
+    assert recurrent.torch_path(entry) is bare
+    type(entry).forward = lambda self, *args, **kwargs: None  # a kernels release that dispatches otherwise
+    with pytest.raises(recurrent.EntryPointError, match="whose torch function longdoc cannot find"):
+        recurrent.torch_path(entry)
+
+
+def test_a_blind_entry_point_discovery_fails_loudly_instead_of_passing(monkeypatch):
+    """If transformers wraps entry points in a way `is_entry_point` does not know, `unrouted` must not pass."""
+    _, model = hybrid_pair("mamba2")
+    mixer = next(m for m in model.modules() if type(m).__name__ == "Mamba2Mixer")
+    monkeypatch.setattr(recurrent, "is_entry_point", lambda value: False)
+    with pytest.raises(recurrent.EntryPointError, match="cannot recognise .*mamba2_chunk_scan.* as kernel entry points"):
+        recurrent.unrouted(mixer, mamba2.ROUTED)

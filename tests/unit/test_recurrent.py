@@ -8,6 +8,7 @@ import torch
 from transformers.models.mamba.modeling_mamba import mamba_selective_scan
 from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
 
+from longdoc.hf.recurrent import torch_path
 from longdoc.parallel import layout as layouts
 from longdoc.parallel.recurrent import SSD, Segments, Selective
 from longdoc.parallel.recurrent import state as driver
@@ -109,14 +110,14 @@ def test_transformers_torch_scans_have_the_semantics_the_closed_forms_assume():
     """HF's pure-torch SSD / selective scans (fp32) against the float64 sequential references."""
     x, dt, A, B, C = ref.ssd_inputs(2, 23, heads=4, head_dim=3, groups=2, state=5)
     D, bias = torch.rand(4, dtype=torch.float64), torch.rand(4, dtype=torch.float64) - 0.5
-    y, h = mamba2_chunk_scan.__wrapped__(*(t.float() for t in (x, dt, A, B, C)), 8, D=D.float(),
+    y, h = torch_path(mamba2_chunk_scan)(*(t.float() for t in (x, dt, A, B, C)), 8, D=D.float(),
                                           dt_bias=bias.float(), dt_softplus=True, dt_limit=(0.0, 3.0),
                                           return_final_states=True)
     want, wh = ref.ssd_sequential(x, dt, A, B, C, D, bias, True, (0.0, 3.0))
     assert (y.double() - want).abs().max().item() < 1e-4 and (h.double() - wh).abs().max().item() < 1e-4
     x, dt, A, B, C, z = ref.selective_inputs(2, 17, channels=6, state=4)
     bias = torch.rand(6, dtype=torch.float64)
-    y, h = mamba_selective_scan.__wrapped__(*(t.float() for t in (x, dt, A, B, C)), D=D[:1].repeat(6).float(),
+    y, h = torch_path(mamba_selective_scan)(*(t.float() for t in (x, dt, A, B, C)), D=D[:1].repeat(6).float(),
                                             z=z.float(), delta_bias=bias.float(), delta_softplus=True,
                                             return_last_state=True)
     want, wh = ref.selective_sequential(x, dt, A, B, C, D[:1].repeat(6), z, bias, True)

@@ -9,11 +9,12 @@ import torch
 from transformers.models.kimi_linear import modeling_kimi_linear as kimi
 from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
 
+from longdoc.hf.recurrent import torch_path
 from longdoc.parallel.recurrent import delta
 from tests.recurrent_check import compose
 
-KERNELS = {"gdn": delta.torch_path(qwen3_next.torch_chunk_gated_delta_rule),
-           "kda": delta.torch_path(kimi.chunk_kimi_delta_attention)}
+KERNELS = {"gdn": torch_path(qwen3_next.torch_chunk_gated_delta_rule),
+           "kda": torch_path(kimi.chunk_kimi_delta_attention)}
 K_HEADS, V_HEADS, K_DIM, V_DIM = 2, 4, 8, 6
 
 

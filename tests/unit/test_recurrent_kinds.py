@@ -163,6 +163,7 @@ def test_driver_runs_recurrences_with_a_carry_and_without_a_zero_state_output():
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
     import longdoc
+    from longdoc.hf.recurrent import torch_path
     from longdoc.parallel import layout as layouts
     from longdoc.parallel.recurrent import Segments, delta, run
 
@@ -173,7 +174,7 @@ def test_driver_runs_recurrences_with_a_carry_and_without_a_zero_state_output():
     q, k = (torch.randn(1, docs.seq_len, 2, 4, generator=g) for _ in range(2))
     v = torch.randn(1, docs.seq_len, 2, 3, generator=g)
     gate, beta = -torch.rand(1, docs.seq_len, 2, generator=g), torch.rand(1, docs.seq_len, 2, generator=g)
-    kernel = delta.torch_path(torch_chunk_gated_delta_rule)
+    kernel = torch_path(torch_chunk_gated_delta_rule)
     got = run(delta.DeltaRule(kernel, use_qk_l2norm_in_kernel=True), (q, k, v, gate, beta), cp, seg).y
     time_decay, time_first = torch.randn(3, generator=g), torch.randn(3, generator=g)
     key, value = torch.randn(1, docs.seq_len, 3, generator=g), torch.randn(1, docs.seq_len, 3, generator=g)

@@ -15,13 +15,13 @@ summaries) the output is o0 + r S_in: no second run.
 
 `kernel` is the pure-torch chunk function of the model (transformers' `torch_chunk_gated_delta_rule` or
 `chunk_kimi_delta_attention`, signature (q, k, v, g, beta, *, initial_state, output_final_state,
-use_qk_l2norm_in_kernel)); pass the torch path itself, never a fused kernel (see `torch_path`).
+use_qk_l2norm_in_kernel)); pass the torch path itself, never a fused kernel (longdoc.hf.recurrent.torch_path
+finds it behind transformers' kernel entry points).
 Torch only: this module knows no model.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -36,12 +36,6 @@ class DeltaPiece(NamedTuple):
     reads: torch.Tensor  # (batch, len, v_heads, k_dim): r_t, how o_t reads the entering state
     transition: torch.Tensor  # (batch, v_heads, k_dim, k_dim): T
     offset: torch.Tensor  # (batch, v_heads, k_dim, v_dim): U, the final state from a zero entering state
-
-
-def torch_path(fn: Callable) -> Callable:
-    """transformers' kernel-dispatch wrapper (use_kernel_func_from_hub_with_fallback) of a torch function,
-    unwrapped to the torch function itself, so a fused kernel never runs on a piece unchanged."""
-    return inspect.unwrap(fn)
 
 
 def run_piece(kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -95,7 +89,7 @@ class DeltaRule:
     """
 
     def __init__(self, kernel: Callable, **kernel_kwargs):
-        self.kernel, self.kernel_kwargs = torch_path(kernel), kernel_kwargs
+        self.kernel, self.kernel_kwargs = kernel, kernel_kwargs
 
     def local(self, piece):
         p = run_piece(self.kernel, *piece, **self.kernel_kwargs)
@@ -110,4 +104,4 @@ class DeltaRule:
         return y0 + torch.einsum("blhk,bhkv->blhv", reads, state[0].to(reads.dtype))
 
 
-__all__ = ["DeltaPiece", "DeltaRule", "torch_path", "run_piece", "advance", "finish", "scan"]
+__all__ = ["DeltaPiece", "DeltaRule", "run_piece", "advance", "finish", "scan"]
