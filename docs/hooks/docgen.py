@@ -272,12 +272,47 @@ def models_summary() -> str:
     return "\n".join(lines)
 
 
+# The GPU recipes the training guide plans: (recipe files of one shape, GPUs, GPU kind); the rest comes from the recipe.
+RECIPE_PLANS = ((("legal-32k.yaml", "medical-32k.yaml"), 8, "h100"), (("legal-128k.yaml",), 16, "h100"))
+
+
+def recipe_plans() -> str:
+    """The planner's peak and step time for the GPU recipes' shapes (read from the recipes), computed now by the code
+    in this checkout."""
+    from longdoc.plan.planner import PlanRequest, plan
+    from longdoc.train.config import load_recipe
+
+    lines = ["| recipe | `longdoc plan` command | peak per GPU | planner step | recipe compute |",
+             "|---|---|---:|---:|---:|"]
+    for files, gpus, gpu in RECIPE_PLANS:
+        r = load_recipe(ROOT / "recipes" / files[0], [])
+        t = r.train
+        model = r.model.name.split("/")[-1].removesuffix("-Instruct")
+        accumulate = t.batch_size // (t.micro_batch_size * (gpus // r.cp_size))
+        options = (f"--model {model} --seq-len {r.data.seq_len // 1024}k --gpus {gpus} --gpu {gpu} --cp {r.cp_size}"
+                   f"{' --checkpointing' if t.activation_checkpointing else ''} --loss-chunk {t.loss_chunk_tokens} "
+                   f"--strategy {t.strategy}")
+        best = plan(PlanRequest(model=model, seq_len=r.data.seq_len, gpus=gpus, gpu=gpu, cp=r.cp_size,
+                                checkpointing=bool(t.activation_checkpointing), loss_chunk=t.loss_chunk_tokens,
+                                strategy=t.strategy)).best
+        names = ", ".join(f"`{f}`" for f in files) + (" (same model and shape)" if len(files) > 1 else "")
+        if best is None:
+            lines.append(f"| {names} | `{options}` | does not fit | - | - |")
+            continue
+        rec = best.to_dict()
+        minutes = t.steps * accumulate * rec["step_s"] / 60
+        lines.append(f"| {names} | `{options}` | {rec['peak_gib']:.2f} GiB of {best.capacity_gib:.0f} | "
+                     f"{rec['step_s']:.2f} s | {t.steps} x {accumulate} x {rec['step_s']:.2f} s = ~{minutes:.1f} min |")
+    return "\n".join(lines)
+
+
 def changelog() -> str:
     return (ROOT / "CHANGELOG.md").read_text()
 
 
 BLOCKS: dict[str, Callable[[], str]] = {"models": models, "performance": performance, "headline": headline,
-                                        "changelog": changelog, "outcomes": outcomes, "models-summary": models_summary}
+                                        "changelog": changelog, "outcomes": outcomes, "models-summary": models_summary,
+                                        "recipe-plans": recipe_plans}
 
 
 def render_markers(markdown: str) -> str:
