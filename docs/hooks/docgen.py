@@ -290,7 +290,8 @@ def recipe_plans() -> str:
         model = r.model.name.split("/")[-1].removesuffix("-Instruct")
         accumulate = t.batch_size // (t.micro_batch_size * (gpus // r.cp_size))
         options = (f"--model {model} --seq-len {r.data.seq_len // 1024}k --gpus {gpus} --gpu {gpu} --cp {r.cp_size}"
-                   f"{' --checkpointing' if t.activation_checkpointing else ''} --loss-chunk {t.loss_chunk_tokens} "
+                   f"{' --checkpointing' if t.activation_checkpointing else ''}"
+                   f"{f' --loss-chunk {t.loss_chunk_tokens}' if t.loss_chunk_tokens else ''} "
                    f"--strategy {t.strategy}")
         best = plan(PlanRequest(model=model, seq_len=r.data.seq_len, gpus=gpus, gpu=gpu, cp=r.cp_size,
                                 checkpointing=bool(t.activation_checkpointing), loss_chunk=t.loss_chunk_tokens,

@@ -6,9 +6,9 @@ The quickest evidence that far context helps: if the model uses it, the loss kee
 position; if it does not, the curve goes flat (or up, past the trained context). Each document is cut
 to --length tokens (default: the shortest document's length; shorter ones are skipped, so every
 bucket averages the same documents) and run in
-one CP forward; each rank takes the cross-entropy of the tokens it holds and adds it to the bucket of
-the predicted token's position, and one all-reduce of (buckets x 2) numbers sums the ranks. The full
-logits are never gathered.
+one CP forward; each rank takes the cross-entropy of the tokens it holds (from the decoder's hidden states, a
+chunk of tokens at a time: no rank ever holds its (local tokens x vocab) logits) and adds it to the bucket of
+the predicted token's position, and one all-reduce of (buckets x 2) numbers sums the ranks.
 """
 
 from __future__ import annotations
@@ -17,13 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from longdoc.eval import data, plots, report, runner
 from longdoc.parallel import comm
 from longdoc.parallel.api import ContextParallel
-
-_CE_ROWS = 2048  # cross-entropy in row chunks: never a second full fp32 copy of the logits
 
 
 def _texts(cfg: dict[str, Any], tokenizer: Any) -> list[str]:
@@ -38,14 +35,11 @@ def _texts(cfg: dict[str, Any], tokenizer: Any) -> list[str]:
 def token_losses(model: torch.nn.Module, cp: ContextParallel, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, position) of this rank's predicted tokens for one sequence (1, n): loss[k] = -log p(token at
     position[k] | tokens before it), positions 1..n-1 spread over the ranks."""
-    from longdoc.hf.prefill import prefill
+    from longdoc.hf.prefill import label_losses
 
-    local = cp.shard_batch({"input_ids": ids, "labels": ids})
+    losses, local = label_losses(model, cp, {"input_ids": ids, "labels": ids})
     targets, positions = local["shift_labels"][0], local["position_ids"][0]
-    logits = prefill(model, cp, {"input_ids": ids})[0]  # (local_len, vocab)
     keep = torch.nonzero(targets != -100).flatten()
-    losses = torch.cat([F.cross_entropy(logits[rows].float(), targets[rows], reduction="none")
-                        for rows in keep.split(_CE_ROWS)]) if keep.numel() else logits.new_zeros(0)
     return losses, positions[keep] + 1  # the loss at t predicts the token at t + 1
 
 

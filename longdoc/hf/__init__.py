@@ -15,7 +15,7 @@ Importing this package imports transformers; `import longdoc` alone does not.
 from typing import TYPE_CHECKING, Any
 
 from longdoc.hf.modelinfo import UnsupportedFeatureError
-from longdoc.hf.patch import is_patched, patch, unpatch
+from longdoc.hf.patch import chunked_loss, is_patched, patch, unpatch
 from longdoc.hf.session import Generation, KVSession, generate
 from longdoc.parallel.batch import CPInputError, shard_batch, shift_labels
 
@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # type checkers see the classes; at run time __getattr__ impo
     from longdoc.hf.trainer import CPTrainer, CPTrainerMixin
 
 __all__ = ["CPInputError", "CPTrainer", "CPTrainerMixin", "Generation", "KVSession", "UnsupportedFeatureError",
-           "generate", "is_patched", "patch", "shard_batch", "shift_labels", "unpatch"]
+           "chunked_loss", "generate", "is_patched", "patch", "shard_batch", "shift_labels", "unpatch"]
 
 
 def __getattr__(name: str) -> Any:

@@ -92,6 +92,10 @@ class CPHandle:
         self.layer_kinds: tuple = ()  # the LayerKinds of the model's swapped modules (longdoc.hf.kinds.attach)
         self.restore: tuple | None = None  # (attn implementation, had own loss_function, that loss_function)
         self.masks_seen: list | None = None  # the shapes of the masks the current forward built (mask_probe)
+        # longdoc.hf.patch.chunked_loss: (chunk tokens, stats dict or None) while it is on, else None; and the
+        # current forward's decoder output, head and probe rows when its loss is chunked
+        self.loss_chunk: tuple | None = None
+        self.chunk_call: tuple | None = None
 
     @property
     def mode(self) -> str:

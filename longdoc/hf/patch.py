@@ -20,14 +20,17 @@ Model features CP cannot reproduce exactly are refused with UnsupportedFeatureEr
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+from collections.abc import Iterator
 from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
 
 from longdoc.hf import attention as backend
+from longdoc.hf import head as heads
 from longdoc.hf import kinds, mask_probe, modelinfo, router
 from longdoc.hf import session as sessions
 from longdoc.hf.attention import CPHandle
@@ -46,7 +49,8 @@ from longdoc.parallel.api import ContextParallel, check_strategy
 from longdoc.parallel.batch import ROW_LENGTHS, CPInputError
 
 M = TypeVar("M", bound=torch.nn.Module)  # patch / unpatch hand back the model's own class
-__all__ = ["patch", "unpatch", "is_patched", "UnsupportedFeatureError", "CPInputError"]
+__all__ = ["patch", "unpatch", "is_patched", "chunked_loss", "UnsupportedFeatureError", "CPInputError"]
+PROBE_ROWS = 4  # logits the model itself computes under chunked_loss, to check the chunked head against
 
 def _cp_loss(handle: CPHandle, logits: torch.Tensor, labels: torch.Tensor | None, vocab_size: int,
              num_items_in_batch: torch.Tensor | int | None = None, ignore_index: int = -100,
@@ -56,13 +60,82 @@ def _cp_loss(handle: CPHandle, logits: torch.Tensor, labels: torch.Tensor | None
     if shift_labels is None or num_items_in_batch is None:
         raise ValueError("under CP the loss needs labels shifted over the full sequence (shift_labels) and the "
                          "global loss-token count (num_items_in_batch); build the batch with cp.shard_batch")
-    logits = logits.float().reshape(-1, vocab_size)
-    target = shift_labels.reshape(-1).to(logits.device)
-    loss = F.cross_entropy(logits, target, ignore_index=ignore_index, reduction="sum")
+    if handle.chunk_call is not None:
+        loss = _chunked_share(handle, logits, shift_labels)
+    else:
+        logits = logits.float().reshape(-1, vocab_size)
+        target = shift_labels.reshape(-1).to(logits.device)
+        loss = F.cross_entropy(logits, target, ignore_index=ignore_index, reduction="sum")
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(loss.device)
     handle.ce_share = loss / num_items_in_batch
     return handle.ce_share.clone()  # MoE models add their router loss to it in place (`loss += ...`)
+
+
+def _chunked_share(handle: CPHandle, probe_logits: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
+    """The summed token losses from the decoder's output, a chunk of loss tokens at a time (chunked_loss), after
+    checking the model's own logits of the probe rows against the chunked head (an unknown final transform)."""
+    holder, head, rows = handle.chunk_call
+    chunk, stats = handle.loss_chunk
+    h = holder["h"]  # (batch, local_len, hidden)
+    check_probe(handle.model_name, probe_logits, head, h[:, :rows])
+    return heads.chunked_ce_sum(head, h, shift_labels.to(h.device), chunk, stats=stats)
+
+
+def check_probe(name: str, probe_logits: torch.Tensor, head: heads.LogitHead, h: torch.Tensor) -> None:
+    """Refuse by name when the model's own logits of a few positions are not `head` of their hidden states `h` (an
+    unknown final transform would make a loss computed from hidden states differ from the model's)."""
+    if not h.shape[1]:
+        return
+    want = probe_logits.detach().float()
+    got = head(h.detach()).float()
+    err, scale = (want - got).abs().max().item(), want.abs().max().item()
+    if not err <= 1e-3 * max(1.0, scale):
+        raise refuse(name, f"a chunked loss (its logits are not lm_head(decoder(x)): max difference {err:.3g})",
+                     "compute the loss without longdoc.hf.chunked_loss")
+
+
+@contextlib.contextmanager
+def chunked_loss(model: torch.nn.Module, chunk_tokens: int | None = None,
+                 stats: dict | None = None) -> Iterator[None]:
+    """While the block runs, a labelled forward of the patched `model` computes its loss share from the decoder's
+    hidden states, `chunk_tokens` loss tokens at a time (None: sized from the vocabulary, longdoc.hf.head
+    .loss_chunk_tokens), so the (local tokens x vocabulary) logits are never built. The output's logits are then
+    those of the first PROBE_ROWS positions only, which each call checks the chunked head against. With `stats`
+    (a dict) each chunk leaves its token statistics there (longdoc.hf.head.chunked_ce_sum). A forward that passes
+    `logits_to_keep` itself, or a model whose forward takes none, computes its logits as usual."""
+    hf = hf_model(model)
+    handle = backend.handle_of(hf)
+    vocab = hf.get_output_embeddings().weight.shape[0] if hf.get_output_embeddings() is not None else 1
+    saved = handle.loss_chunk
+    handle.loss_chunk = (chunk_tokens or heads.loss_chunk_tokens(vocab), stats)
+    try:
+        yield
+    finally:
+        handle.loss_chunk = saved
+
+
+def _begin_chunked(handle: CPHandle, signature: inspect.Signature, module, call: dict, kwargs: dict):
+    """Under chunked_loss, a labelled call keeps PROBE_ROWS logits and hands the decoder's output to the loss."""
+    handle.chunk_call = None
+    if handle.loss_chunk is None or "logits_to_keep" not in signature.parameters or "logits_to_keep" in call:
+        return
+    if call.get("labels") is None and call.get("shift_labels") is None:
+        return
+    decoder = module.get_decoder() if hasattr(module, "get_decoder") else None
+    if decoder is None or module.get_output_embeddings() is None:
+        return
+    holder: dict = {}
+
+    def grab(mod, args, output):
+        holder["h"] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+        holder["hook"].remove()
+
+    holder["hook"] = decoder.register_forward_hook(grab)
+    rows = min(PROBE_ROWS, handle.local_len)
+    x = call.get("input_ids", call.get("inputs_embeds"))
+    kwargs["logits_to_keep"] = torch.arange(rows, device=x.device)
+    handle.chunk_call = (holder, heads.LogitHead(module), rows)
 
 
 # ---- per-call checks (forward pre-hook) ----
@@ -124,6 +197,7 @@ def _pre_forward(handle: CPHandle, signature: inspect.Signature, module, args, k
         if not right_padded(full):
             raise refuse(handle.model_name, "left padding or holes in attention_mask", PADDING_FIX)
     handle.row_lengths = lengths
+    _begin_chunked(handle, signature, module, call, kwargs)
     return args, kwargs
 
 
@@ -131,6 +205,9 @@ def _post_forward(handle: CPHandle, n_layers: int, expected: dict[str, int], mod
     mask_probe.end(handle)
     if handle.session is not None:
         return None  # the session checks its own calls
+    if handle.chunk_call is not None:
+        handle.chunk_call[0]["hook"].remove()  # (already, unless the decoder never ran)
+        handle.chunk_call = None
     backend.check_all_layers(handle, n_layers)
     kinds.check_calls(handle, expected)
     loss = getattr(output, "loss", None)

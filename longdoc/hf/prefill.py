@@ -23,7 +23,7 @@ from longdoc.parallel import comm
 from longdoc.parallel.api import ContextParallel
 from longdoc.parallel.batch import shard_batch, source_index
 
-__all__ = ["prefill", "gather_positions", "target_logprobs", "target_scores", "span_logprobs"]
+__all__ = ["prefill", "gather_positions", "target_logprobs", "target_scores", "span_logprobs", "label_losses"]
 
 
 def _check_patched(model: torch.nn.Module, cp: ContextParallel) -> None:
@@ -125,6 +125,41 @@ def prefill(model: torch.nn.Module, cp: ContextParallel, batch: Mapping[str, Any
     rows, cols = torch.nonzero(slot >= 0, as_tuple=True)
     out[rows, cols] = logits[rows, slot[rows, cols]]
     return _all_reduce(out, cp)
+
+
+def label_losses(model: torch.nn.Module, cp: ContextParallel, batch: Mapping[str, Any], *,
+                 chunk_tokens: int | None = None, pad_token_id: int = 0) -> tuple[torch.Tensor, dict]:
+    """(-log p of each labelled token this rank holds, fp32 (n,), in the order of local["shift_labels"]'s entries
+    other than -100; the local batch). From the decoder's hidden states through the LM head `chunk_tokens` tokens at
+    a time (default: sized from the vocabulary, longdoc.budgets), so no (local tokens x vocab) logits exist; the
+    model's own logits of a few positions check the head first (an unknown final transform is refused by name)."""
+    from longdoc.budgets import loss_chunk_tokens
+    from longdoc.hf.head import LogitHead, token_ce
+    from longdoc.hf.patch import PROBE_ROWS, check_probe
+
+    _check_patched(model, cp)
+    local = shard_batch(dict(batch), cp, pad_token_id=pad_token_id)
+    labels = local.pop("shift_labels")
+    local.pop("labels", None)
+    local.pop("num_items_in_batch", None)
+    hf = hf_model(model)
+    held: dict = {}
+
+    def grab(module, args, output):
+        held["h"] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
+    rows = min(PROBE_ROWS, local["input_ids"].shape[1])
+    hook = hf.get_decoder().register_forward_hook(grab)
+    try:
+        with torch.no_grad():
+            probe = model(**local, use_cache=False,
+                          logits_to_keep=torch.arange(rows, device=local["input_ids"].device)).logits
+    finally:
+        hook.remove()
+    head = LogitHead(hf)
+    check_probe(hf._longdoc_cp.model_name, probe[:, :rows], head, held["h"][:, :rows])
+    chunk = chunk_tokens or loss_chunk_tokens(hf.get_output_embeddings().weight.shape[0])
+    return token_ce(head, held["h"], labels, chunk), {**local, "shift_labels": labels}
 
 
 def target_logprobs(model: torch.nn.Module, cp: ContextParallel, batch: Mapping[str, Any],

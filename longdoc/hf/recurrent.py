@@ -133,8 +133,9 @@ def torch_path(fn: Callable) -> Callable:
     (a dependency of transformers >= 5.25) that function is further turned into an instance of a `Func`
     nn.Module whose class forward calls it (kernels' _create_func_module), so the torch function sits one level
     deeper; 5.25 also has entry points that only a hub kernel may replace (use_kernel_forward_from_hub on the torch
-    function itself, e.g. mamba2's causal_conv1d_forward), whose Func calls the torch function directly. An object that looks like such a wrapper but whose torch function cannot be found raises: calling it
-    would run a fused kernel on CP-sharded tokens."""
+    function itself, e.g. mamba2's causal_conv1d_forward), whose Func calls the torch function directly. An
+    object that looks like such a wrapper but whose torch function cannot be found raises: calling it would run
+    a fused kernel on CP-sharded tokens."""
     inner = _kernel_func(fn)
     if inner is None:
         return fn

@@ -26,6 +26,7 @@ What the Trainer does differently under CP, and why each piece keeps the run equ
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from typing import Any
 
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 from transformers import Trainer
 
-from longdoc.hf.patch import patch
+from longdoc.hf.patch import chunked_loss, patch
 from longdoc.parallel import comm
 from longdoc.parallel.api import ContextParallel, check_strategy
 from longdoc.parallel.batch import count_loss_tokens, shard_batch, source_index
@@ -121,16 +122,25 @@ class CPTrainerMixin:
         cp_debug_collectives: check every collective CPTrainer issues (sequence number, op tag, bytes) across
             its group first, and that every trainable parameter gets a gradient in every backward; None
             (default) reads LONGDOC_DEBUG_COLLECTIVES.
+        cp_loss_chunk_tokens: the loss runs from the decoder's hidden states over this many loss tokens at a
+            time (longdoc.hf.chunked_loss), so a rank never holds (local tokens x vocabulary) logits; None
+            (default) sizes the chunk from the vocabulary, 0 computes the model's own full logits. Evaluation
+            with compute_metrics (which needs the logits) always computes them.
     """
 
     def __init__(self, *args: Any, cp_size: int = 1, cp_layout: str = "zigzag", cp_strategy: str = "ring",
                  cp_ulysses_size: int | None = None, cp_timeout: float | None = None,
-                 cp_debug_collectives: bool | None = None, **kwargs: Any) -> None:
+                 cp_debug_collectives: bool | None = None, cp_loss_chunk_tokens: int | None = None,
+                 **kwargs: Any) -> None:
         # Every check that can fail runs before the Trainer joins the process group: one error on every rank.
         self.cp_dp_size = check_cp_size(cp_size, _launched_world_size())
         check_layout(cp_layout)
         check_strategy(cp_strategy)
         check_ulysses_size(cp_strategy, cp_ulysses_size, cp_size)
+        if cp_loss_chunk_tokens is not None and (not isinstance(cp_loss_chunk_tokens, int) or cp_loss_chunk_tokens < 0):
+            raise ValueError(f"cp_loss_chunk_tokens must be None (sized from the vocabulary), 0 (full logits) or a "
+                             f"positive number of tokens, got {cp_loss_chunk_tokens!r}")
+        self._cp_loss_chunk = cp_loss_chunk_tokens
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         self._refuse_unsupported(training_args, kwargs)
         if training_args is not None:
@@ -253,11 +263,15 @@ class CPTrainerMixin:
                 count = self._get_num_items_in_batch([batch], batch["input_ids"].device)
             count = torch.as_tensor(count).clamp_min(1)  # a step with no loss token: loss 0, never NaN
         local = shard_batch(batch, self.cp, pad_token_id=self._cp_pad_id, num_items_in_batch=count)
-        outputs = model(**local, use_cache=False)
+        # the loss from hidden states, a chunk of tokens at a time, unless the caller wants the logits themselves
+        chunked = self._cp_loss_chunk != 0 and not (return_outputs and not self.args.prediction_loss_only)
+        stats: dict | None = {} if chunked and self._cp_sft else None
+        with chunked_loss(self.model, self._cp_loss_chunk, stats) if chunked else contextlib.nullcontext():
+            outputs = model(**local, use_cache=False)
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
         if self._cp_sft:
-            self._log_sft_metrics(outputs.get("logits") if isinstance(outputs, dict) else None, local["shift_labels"],
-                                  inputs, training)
+            self._log_sft_metrics(None if chunked else outputs.get("logits") if isinstance(outputs, dict) else None,
+                                  local["shift_labels"], inputs, training, stats)
         if training:
             loss = loss * self._loss_scale()
         elif self.cp.size > 1:
@@ -285,17 +299,22 @@ class CPTrainerMixin:
 
     @torch.no_grad()
     def _log_sft_metrics(self, logits: torch.Tensor | None, shift_labels: torch.Tensor, inputs: dict,
-                         training: bool) -> None:
+                         training: bool, stats: dict | None = None) -> None:
         """TRL SFTTrainer's entropy, mean_token_accuracy and num_tokens, exactly as one process computes them over
         the global micro-batch: this rank's sums over its tokens are summed over the CP group and the replicas;
         num_tokens counts each replica's batch once (every CP rank of a group holds all of it)."""
-        if logits is None:
+        if stats is not None:  # the chunked loss's per-chunk (tokens, entropy, correct) sums
+            device = shift_labels.device
+            sums = torch.stack(list(stats.values())).sum(0).to(device) if stats else torch.zeros(3, dtype=torch.float64,
+                                                                                                 device=device)
+        elif logits is None:
             return
-        mask = shift_labels != -100
-        logp = torch.log_softmax(logits.float(), dim=-1)  # (batch, local_len, vocab)
-        entropy = -(logp.exp() * logp).sum(dim=-1)
-        correct = (logits.argmax(dim=-1) == shift_labels) & mask  # argmax: the first of tied maxima, as TRL's
-        sums = torch.stack([mask.sum(), entropy[mask].sum(), correct.sum()]).double()
+        else:
+            mask = shift_labels != -100
+            logp = torch.log_softmax(logits.float(), dim=-1)  # (batch, local_len, vocab)
+            entropy = -(logp.exp() * logp).sum(dim=-1)
+            correct = (logits.argmax(dim=-1) == shift_labels) & mask  # argmax: the first of tied maxima, as TRL's
+            sums = torch.stack([mask.sum(), entropy[mask].sum(), correct.sum()]).double()
         if self.cp.size > 1:  # main thread, same point of every rank's step: the cp stream's order holds
             sums = comm.all_reduce(sums, self.cp.group, self.cp.timeout, self.cp.guard, "all_reduce sft metrics")
         if "attention_mask" in inputs:

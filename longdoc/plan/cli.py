@@ -50,7 +50,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --strategy usp: ranks per Ulysses group (default: every divisor 1 < U < cp)")
     p.add_argument("--no-chunked-loss", action="store_true",
                    help="cross-entropy over all local tokens at once (what most trainers do) instead of 1024 at a time")
-    p.add_argument("--loss-chunk", type=int, default=1024, help="tokens per cross-entropy chunk")
+    p.add_argument("--loss-chunk", type=int, default=None,
+                   help="tokens per cross-entropy chunk (default: sized from the vocabulary as training does, so "
+                        "the chunk's fp32 buffers stay under 256 MiB)")
     p.add_argument("--loss-tokens", type=int, default=None,
                    help="tokens per sequence that carry a label (default: all, as in pretraining; a QA row: its "
                         "answers, e.g. 125 for a 32k case file with 16 questions): the chunked loss builds logits "

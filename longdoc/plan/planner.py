@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from longdoc.budgets import loss_chunk_tokens
 from longdoc.parallel.api import STRATEGIES, Strategy, check_strategy
 from longdoc.parallel.ulysses import split_heads
 from longdoc.plan import strategies
@@ -51,7 +52,7 @@ class PlanRequest:
     strategy: Strategy | None = None
     ulysses_size: int | None = None  # pin usp's Ulysses group size (None: every divisor 1 < U < cp)
     chunked_loss: bool = True
-    loss_chunk: int = 1024
+    loss_chunk: int | None = None  # None: sized from the vocabulary, as training does (longdoc.budgets)
     loss_tokens: int | None = None  # labelled tokens per sequence (None: all; QA rows: the answers)
     micro_batch: int = 1
     memory_gib: float | None = None  # override the device's memory
@@ -197,7 +198,8 @@ def _setups(req: PlanRequest, shape: ModelShape) -> list[Setup]:
             _open_layouts(req, shape, cp)
         out += [Setup(shape=shape, seq_len=req.seq_len, cp=cp, dp=req.gpus // cp, micro_batch=req.micro_batch,
                       strategy=st, ulysses_size=u, checkpointing=ac,
-                      loss_chunk=req.loss_chunk if req.chunked_loss else None, loss_tokens=req.loss_tokens,
+                      loss_chunk=(req.loss_chunk or loss_chunk_tokens(shape.vocab)) if req.chunked_loss else None,
+                      loss_tokens=req.loss_tokens,
                       lora=req.lora, device=req.gpu,
                       precision=req.precision)
                 for st, u in layouts for ac in acs]

@@ -192,7 +192,9 @@ class TrainConfig:
     micro_batch_size: int = 1  # sequences per forward pass per replica; accumulation makes up the rest
     mixed_precision: str = "auto"  # "auto" (bf16 on GPUs and bf16-native CPUs, else none) | "no" | "bf16"
     activation_checkpointing: bool = True
-    loss_chunk_tokens: Tokens = 1024  # CE over this many tokens at a time: logits never exist in full
+    # CE over this many loss tokens at a time, so logits never exist in full; null (default): sized from the
+    # vocabulary so the chunk's fp32 buffers stay under 256 MiB (longdoc.budgets: 448 tokens at SmolLM2's 49k)
+    loss_chunk_tokens: Tokens | None = None
     fsdp: bool = False  # shard parameters/gradients/optimizer with FSDP2 (GPU, NCCL)
     layout: Layout = "zigzag"
     strategy: Strategy = "ring"
@@ -223,7 +225,8 @@ class TrainConfig:
         _check(self.batch_size % self.micro_batch_size == 0, "train.batch_size",
                f"must be a multiple of train.micro_batch_size ({self.micro_batch_size}), got {self.batch_size}")
         _check(self.mixed_precision in MIXED, "train.mixed_precision", f"must be one of {MIXED}")
-        _check(self.loss_chunk_tokens > 0, "train.loss_chunk_tokens", "must be positive")
+        _check(self.loss_chunk_tokens is None or self.loss_chunk_tokens > 0, "train.loss_chunk_tokens",
+               "must be positive, or null to size it from the vocabulary")
         # repeated from the Literal types for a TrainConfig built in code rather than from a recipe
         _check(self.layout in LAYOUTS, "train.layout", f"must be one of {LAYOUTS}, got {self.layout!r}")
         _check(self.strategy in STRATEGIES, "train.strategy", f"must be one of {STRATEGIES}, got {self.strategy!r}")

@@ -23,40 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-IGNORE = -100
-
-
-def base_causal_lm(model: nn.Module) -> nn.Module:
-    """The transformers *ForCausalLM under a peft wrapper (LoRA layers are injected in place)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-class LogitHead:
-    """hidden states -> logits exactly as the model's own forward does (lm_head + final transforms).
-
-    A plain object, not a module: lm_head is already registered under the model, and a second
-    registration would give the weight two names in every state dict.
-    """
-
-    def __init__(self, causal_lm: nn.Module):
-        self.proj = causal_lm.get_output_embeddings()
-        if self.proj is None:
-            raise ValueError(f"{type(causal_lm).__name__} has no output embeddings (lm_head); longdoc trains "
-                             f"causal LMs whose forward ends in one")
-        cfg = causal_lm.config
-        # Gemma-2/3 soft-cap the final logits; Cohere multiplies them by a scale. Both are applied per
-        # token, so chunking stays exact. Anything else is caught by `check_head` at start-up.
-        self.softcap = getattr(cfg, "final_logit_softcapping", None)
-        scale = getattr(causal_lm, "logit_scale", None)
-        self.scale = float(scale) if isinstance(scale, (int, float)) else None
-
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        logits = self.proj(h)
-        if self.scale is not None:
-            logits = logits * self.scale
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+from longdoc.budgets import loss_chunk_tokens
+from longdoc.hf.head import IGNORE, LogitHead, base_causal_lm, chunked_ce_sum  # noqa: F401  (re-exported)
 
 
 class ChunkStats:
@@ -69,44 +37,6 @@ class ChunkStats:
     def __call__(self, module, inputs, output):
         self.calls += 1
         self.max_rows = max(self.max_rows, output.reshape(-1, output.shape[-1]).shape[0])
-
-
-def _chunk_ce(head: LogitHead, h: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None
-              ) -> torch.Tensor:
-    # (chunk, hidden) -> (chunk, vocab) in fp32 for a stable log-softmax; summed, not averaged, so that
-    # the caller controls the normalization across chunks, micro-batches and ranks.
-    logits = head(h).float()
-    if weights is None:
-        return F.cross_entropy(logits, labels, reduction="sum")
-    return (F.cross_entropy(logits, labels, reduction="none") * weights).sum()
-
-
-def chunked_ce_sum(head: LogitHead, hidden: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
-                   weights: torch.Tensor | None = None) -> torch.Tensor:
-    """Sum of token cross-entropies (each times its weight, when given); hidden (..., hidden_size), labels and
-    weights (...) already shifted, -100 ignored."""
-    hidden = hidden.reshape(-1, hidden.shape[-1])
-    labels = labels.reshape(-1)
-    keep = labels != IGNORE
-    # Only loss tokens go through the head: padding and masked prompt tokens cost nothing.
-    h, y = hidden[keep], labels[keep]  # (n_loss_tokens, hidden), (n_loss_tokens,)
-    w = weights.reshape(-1)[keep].float() if weights is not None else None
-    total = hidden.new_zeros((), dtype=torch.float32)
-    if y.numel() == 0:
-        # No loss token on this rank (answer-only loss under zigzag: a rank may hold only prompt). It must
-        # still run the same backward as its peers, through the body (the CP ring is a collective) AND the
-        # head: DDP/FSDP reduce gradients in buckets that fire only once every parameter in them has one,
-        # so a head without a gradient here would leave this rank's buckets unsent while the others send
-        # theirs (issue 22). One token through the head, weighted 0: exact zeros for its gradient.
-        return total + 0.0 * hidden.sum() + 0.0 * head(hidden[:1]).float().sum()
-    for start in range(0, y.numel(), chunk_tokens):
-        hc, yc = h[start:start + chunk_tokens], y[start:start + chunk_tokens]
-        wc = w[start:start + chunk_tokens] if w is not None else None
-        if torch.is_grad_enabled() and hc.requires_grad:
-            total = total + checkpoint(_chunk_ce, head, hc, yc, wc, use_reentrant=False)
-        else:
-            total = total + _chunk_ce(head, hc, yc, wc)
-    return total
 
 
 def _chunk_kl(head: LogitHead, h: torch.Tensor, h_base: torch.Tensor, weights: torch.Tensor, base) -> torch.Tensor:
@@ -148,9 +78,12 @@ class LossModel(nn.Module):
     `logits_to_keep` = no position, and the decoder's final hidden states are taken from a hook.
     """
 
-    def __init__(self, model: nn.Module, chunk_tokens: int = 1024):
+    def __init__(self, model: nn.Module, chunk_tokens: int | None = None):
         super().__init__()
         self.model = model  # as given (peft-wrapped or not): state dicts keep its key names
+        if chunk_tokens is None:  # sized from the vocabulary (longdoc.budgets)
+            head = base_causal_lm(model).get_output_embeddings()
+            chunk_tokens = loss_chunk_tokens(head.weight.shape[0] if head is not None else 1)
         self.chunk_tokens = chunk_tokens
         self.aux: torch.Tensor | None = None  # the last call's MoE router auxiliary loss (global), if any
         lm = base_causal_lm(model)
