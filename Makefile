@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 CONSTRAINTS ?= constraints.txt
 LATEST_VENV ?= .venv-latest
 
-.PHONY: install test test-slow test-latest lock lint docs docs-serve bench demo demo-eval outcome clean
+.PHONY: install test test-slow test-latest lock gpu-check lint docs docs-serve bench demo demo-eval outcome clean
 
 install: $(STAMP)
 
@@ -40,6 +40,13 @@ test-latest:
 lock:
 	test -x $(LATEST_VENV)/bin/python || { echo "run make test-latest first: the lock records what it tested"; exit 2; }
 	$(LATEST_VENV)/bin/python -m longdoc.lockfile $(CONSTRAINTS)
+
+# The checks that need a GPU (longdoc/bench/gpucheck.py): pytest -m gpu, `longdoc bench gpu`, and one full-fine-tuning
+# step of a 1B-class model with the checkpoint offload off and on, peak vs the planner; at most 8 minutes on one H200.
+# No install step: a GPU machine lent without a package registry runs it on its own python3 (torch, transformers).
+GPU_PY ?= $(shell test -x $(PY) && $(PY) -c "import torch; assert torch.cuda.is_available()" 2>/dev/null && echo $(PY) || echo python3)
+gpu-check:
+	timeout 480 $(GPU_PY) -m longdoc.bench.gpucheck --out docs/bench/gpu-check.json
 
 # Slow tests are whole training runs: 90 minutes each unless a test's own timeout mark says otherwise.
 test-slow: install

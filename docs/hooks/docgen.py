@@ -169,6 +169,8 @@ def performance() -> str:
             parts += [f"### Suite run: docs/bench/{path.name}", "", suite.to_markdown(data)]
         elif {"median_s", "ratios"} <= set(data):
             parts += [f"### Attention patterns run: docs/bench/{path.name}", "", patterns.to_markdown(data)]
+        elif data.get("kind") == "gpu-check":
+            parts += [f"### GPU check: docs/bench/{path.name}", "", gpu_check_markdown(data)]
         else:
             parts += [f"### docs/bench/{path.name}", "", "(no renderer for this file's format)"]
         parts.append("")
@@ -176,6 +178,29 @@ def performance() -> str:
     if pngs:
         parts += ["### Plots", ""] + [f"![{p.stem}](bench/{p.name})" for p in pngs]
     return "\n".join(parts)
+
+
+def gpu_check_markdown(data: dict) -> str:
+    """`make gpu-check`'s file (longdoc/bench/gpucheck.py): each part's status, and the step's peak vs the planner."""
+    lines = [f"{data.get('device')}, torch {data.get('torch')}, {data.get('date')}"
+             f"{' (dry run)' if data.get('dry_run') else ''}; {data.get('seconds', 0):.0f} s.", "",
+             "| part | status | detail |", "|---|---|---|"]
+    for part in ("tests", "kernels", "step"):
+        rec = data.get(part, {})
+        detail = rec.get("why") or ", ".join(f"{n} {k}" for k, n in rec.get("counts", {}).items())
+        lines.append(f"| {part} | {rec.get('status', '?')} | {detail} |")
+    step = data.get("step", {})
+    runs = [r for r in step.get("runs", []) if "step_s" in r]
+    if runs:
+        lines += ["", f"Full fine-tuning step, {step.get('model')} at {step.get('seq_len'):,} tokens "
+                      f"(planner: peak {step.get('predicted_peak_gib', float('nan')):.2f} GiB, "
+                      f"{step.get('predicted_step_s', float('nan')):.2f} s):", "",
+                  "| offload | step s | peak GiB | peak / predicted |", "|---|---:|---:|---:|"]
+        for r in runs:
+            peak = f"{r['peak_gib']:.2f}" if "peak_gib" in r else "-"
+            ratio = f"{r['peak_vs_predicted']:.3f}" if "peak_vs_predicted" in r else "-"
+            lines.append(f"| {'on' if r['offload'] else 'off'} | {r['step_s']:.2f} | {peak} | {ratio} |")
+    return "\n".join(lines)
 
 
 def _suite() -> dict:
