@@ -305,7 +305,7 @@ def cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
     if problem is not None:
         raise refuse(handle.model_name, *problem)
     if temperature.is_tuned(module):  # Llama 4 NoPE layers: the queries' scale from each token's row index
-        docs = _documents(handle, kwargs.get("cu_seq_lens_q"), query.shape[0], query.shape[2]) \
+        docs = call_documents(handle, kwargs.get("cu_seq_lens_q"), query.shape[0], query.shape[2]) \
             if handle.session is None else None
         query = temperature.scale_queries(module, handle, query, docs)
 
@@ -335,7 +335,7 @@ def cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
     return out[..., :v_dim].transpose(1, 2).contiguous(), None
 
 
-def _documents(handle: CPHandle, cu: torch.Tensor | None, bsz: int, local_len: int) -> tuple | None:
+def call_documents(handle: CPHandle, cu: torch.Tensor | None, bsz: int, local_len: int) -> tuple | None:
     """This call's packed documents: from its own cu_seq_lens_q when the model passes it down (so an
     activation-checkpointing recompute after another forward still sees its own batch's documents), else
     from the forward pre-hook."""
@@ -350,7 +350,7 @@ def _documents(handle: CPHandle, cu: torch.Tensor | None, bsz: int, local_len: i
 def _train_attention(handle: CPHandle, query, key, value, scaling: float, pattern: LayerPattern,
                      cu: torch.Tensor | None = None, selected: torch.Tensor | None = None,
                      layer=None) -> torch.Tensor:
-    docs = _documents(handle, cu, query.shape[0], query.shape[2])
+    docs = call_documents(handle, cu, query.shape[0], query.shape[2])
     handle.patterns_seen[layer] = pattern.seen(query.shape[2] * handle.cp.size,
                                                max((len(d.doc_lens) for d in docs), default=1) if docs else 1)
     run = functools.partial(attention, cp=handle.cp, causal=True, scale=scaling, strategy=handle.strategy,

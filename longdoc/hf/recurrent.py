@@ -75,7 +75,7 @@ class Call:
         cp, session = self.cp, self.handle.session
         if session is not None:
             return prefill_segments(cp, session.total, local_len * cp.size)
-        docs = backend._documents(self.handle, self.cu, bsz, local_len)
+        docs = backend.call_documents(self.handle, self.cu, bsz, local_len)
         if docs is None:
             return Segments.of(cp.layout, cp.size, local_len * cp.size)
         return [Segments.of(cp.layout, cp.size, d.seq_len, d) for d in docs]

@@ -269,3 +269,15 @@ def test_training_code_never_reads_the_suite():
     for path in [*(root / "recipes").rglob("*.yaml"), *(root / "data" / "synth").rglob("*.json")]:
         text = path.read_text()
         assert "eval.ruler" not in text and "special magic" not in text, path
+
+
+def test_the_layer_kinds_reach_attention_only_through_its_public_names():
+    """hf/recurrent.py and the kinds read the call's documents through attention's public `call_documents`, never its
+    private helpers (issue 31 section 5)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "longdoc" / "hf"
+    offenders = [f"{p.name}:{n}" for p in [root / "recurrent.py", *sorted((root / "kinds").glob("*.py"))]
+                 for n, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"\bbackend\._\w", line)]
+    assert offenders == []
