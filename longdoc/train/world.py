@@ -115,8 +115,10 @@ def check_launch(recipe: Recipe, world_size: int, cuda: bool) -> tuple[int, int]
                           f"({t.micro_batch_size}) x data-parallel replicas ({dp} = {world_size} processes / "
                           f"cp_size {cp}) = {per_step}")
     if t.fsdp and not cuda:
-        raise RecipeError("train.fsdp=true needs CUDA GPUs (FSDP2 reduce-scatters, which gloo lacks); "
-                          "set train.fsdp=false on CPU")
+        # torch 2.13's FSDP2 itself runs on gloo (measured: fully_shard trains on 2 CPU ranks), but Accelerate
+        # applies its FSDP plugin only to GPU-like devices: on CPU it would silently replicate with DDP instead
+        raise RecipeError("train.fsdp=true needs CUDA GPUs (Accelerate applies FSDP2 only on GPU devices; on CPU "
+                          "it would silently fall back to replicated DDP); set train.fsdp=false on CPU")
     return dp, cp
 
 
