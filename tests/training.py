@@ -88,12 +88,17 @@ def train_on_ranks(rank: int, world_size: int, recipe: dict, overrides: list[str
     step = torch.optim.AdamW.step
 
     def recording_step(self, *args, **kwargs):  # the reduced gradients the optimizer is about to apply
-        grads.append([p.grad.detach().numpy().copy() for g in self.param_groups for p in g["params"]])
+        grads.append([_full(p.grad).detach().numpy().copy() for g in self.param_groups for p in g["params"]])
         return step(self, *args, **kwargs)
 
     torch.optim.AdamW.step = recording_step
     result = train(recipe_from_dict(recipe, overrides))
     return [(s.step, s.loss, s.tokens, s.grad_norm) for s in result.history], grads
+
+
+def _full(t):
+    """A gradient as one tensor: FSDP2's are sharded DTensors (gathered: a collective every rank runs alike)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def max_rel_err(a: dict, b: dict) -> float:

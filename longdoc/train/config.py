@@ -195,7 +195,7 @@ class TrainConfig:
     # CE over this many loss tokens at a time, so logits never exist in full; null (default): sized from the
     # vocabulary so the chunk's fp32 buffers stay under 256 MiB (longdoc.budgets: 448 tokens at SmolLM2's 49k)
     loss_chunk_tokens: Tokens | None = None
-    fsdp: bool = False  # shard parameters/gradients/optimizer with FSDP2 (GPU, NCCL)
+    fsdp: bool = False  # shard parameters/gradients/optimizer with FSDP2 over dp x cp (GPU: NCCL; CPU: gloo)
     layout: Layout = "zigzag"
     strategy: Strategy = "ring"
     comm_timeout: float = 600.0  # seconds any collective may wait before the run fails

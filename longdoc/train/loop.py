@@ -223,8 +223,13 @@ def _train(recipe: Recipe, world: World, on_step, out: Path, ck_root: Path, resu
     logit_rows = ChunkStats()  # the largest logits block per step goes to the metrics: never the full sequence
     model.get_output_embeddings().register_forward_hook(logit_rows)
     loss_model = LossModel(model, recipe.train.loss_chunk_tokens)
-    optimizer = _optimizer(loss_model, recipe)
-    loss_model, optimizer = acc.prepare(loss_model, optimizer)
+    if world.shard_on_cpu:  # FSDP2 on gloo: sharded before the optimizer sees the parameters, never DDP-wrapped
+        loss_model = world.shard_state(loss_model)
+        optimizer = acc.prepare(_optimizer(loss_model, recipe))
+        loss_model.forward = _autocast(acc, loss_model.forward)  # what acc.prepare would have wrapped it in
+    else:
+        optimizer = _optimizer(loss_model, recipe)
+        loss_model, optimizer = acc.prepare(loss_model, optimizer)
     coverage = world.reduce_gradients(loss_model)  # DDP: buckets on the grads group (longdoc.train.world)
     _probe_head(loss_model, world, seqs, pad_id, recipe.model.name)
     raw_optimizer = getattr(optimizer, "optimizer", optimizer)
@@ -255,7 +260,9 @@ def _train(recipe: Recipe, world: World, on_step, out: Path, ck_root: Path, resu
     progress = Progress(recipe.train.steps, start_step, recipe.log.progress and world.is_main)
     peak = PeakMemory(world.device)
     history: list[StepInfo] = []
-    params = [p for p in loss_model.parameters() if p.requires_grad]
+    # FSDP2 on CPU: the optimizer's (sharded) parameters; the root module may show its unsharded views between steps
+    params = [p for g in raw_optimizer.param_groups for p in g["params"]] if world.shard_on_cpu else \
+        [p for p in loss_model.parameters() if p.requires_grad]
     last_ckpt, skipped_in_row = checkpoint.latest(ck_root), 0
     stopped_early = False
     for step in range(start_step, recipe.train.steps):
@@ -386,9 +393,22 @@ def _forward_backward(acc, world: World, loss_model, params, seqs, schedule: Ste
     return loss, grad_norm, local_tokens, aux
 
 
+def _autocast(acc, forward):
+    """`forward` under the Accelerator's autocast (its mixed precision), as acc.prepare wraps a model's forward."""
+    def run(*args, **kwargs):
+        with acc.autocast():
+            return forward(*args, **kwargs)
+    return run
+
+
 def _export(acc, world: World, loss_model, tokenizer, out: Path, recipe: Recipe) -> Path:
     state_dict = None
-    if recipe.train.fsdp:
+    if world.shard_on_cpu:  # the full weights gathered from the FSDP2 shards (a collective: every rank)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(loss_model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state_dict = {k.removeprefix("model."): v for k, v in full.items()}
+    elif recipe.train.fsdp:
         full = acc.get_state_dict(loss_model)  # collective: every rank takes part
         state_dict = {k.removeprefix("model."): v for k, v in (full or {}).items()}
     if world.is_main:

@@ -58,6 +58,7 @@ class World:
     groups: Groups | None = None
     debug_collectives: bool = False
     peers: PeerWatch | None = None  # lost-peer detection (longdoc.train.peers); None on one process
+    shard_on_cpu: bool = False  # train.fsdp on CPU: the loop applies FSDP2 itself (shard_state), not Accelerate
 
     def close(self, finished: bool = True) -> None:
         """The end of this rank's run: stop the peer watch (`finished`: tell the peers this rank is done)."""
@@ -78,6 +79,23 @@ class World:
         if g is None or g.scalars is None:
             return values
         return all_reduce(values, op, g.scalars, self.device, g.guard("scalars"), what)
+
+    def shard_state(self, loss_model: torch.nn.Module) -> torch.nn.Module:
+        """train.fsdp on CPU: FSDP2 (fully_shard) over all dp x cp ranks on gloo, each decoder layer a unit and the
+        rest (embeddings, head, norm) the root's, so weights, gradients and AdamW moments are 1/world per rank
+        instead of replicated. Its own 1-D mesh (a new process group): FSDP's all-gathers and reduce-scatters,
+        issued from autograd hooks, never share a group with the CP ring or the scalar reductions. Before the
+        optimizer is built: fully_shard replaces the parameters."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (self.world_size,), mesh_dim_names=("shard",))
+        units = set(getattr(loss_model, "_no_split_modules", None) or ())
+        for module in list(loss_model.modules()):
+            if type(module).__name__ in units:
+                fully_shard(module, mesh=mesh)
+        fully_shard(loss_model, mesh=mesh)
+        return loss_model
 
     def reduce_gradients(self, model: torch.nn.Module) -> GradCoverage | None:
         """After accelerator.prepare: DDP reduces on the grads group. In debug mode under DDP, returns the
@@ -114,11 +132,6 @@ def check_launch(recipe: Recipe, world_size: int, cuda: bool) -> tuple[int, int]
         raise RecipeError(f"train.batch_size={t.batch_size} must be a multiple of train.micro_batch_size "
                           f"({t.micro_batch_size}) x data-parallel replicas ({dp} = {world_size} processes / "
                           f"cp_size {cp}) = {per_step}")
-    if t.fsdp and not cuda:
-        # torch 2.13's FSDP2 itself runs on gloo (measured: fully_shard trains on 2 CPU ranks), but Accelerate
-        # applies its FSDP plugin only to GPU-like devices: on CPU it would silently replicate with DDP instead
-        raise RecipeError("train.fsdp=true needs CUDA GPUs (Accelerate applies FSDP2 only on GPU devices; on CPU "
-                          "it would silently fall back to replicated DDP); set train.fsdp=false on CPU")
     return dp, cp
 
 
@@ -157,7 +170,8 @@ def start(recipe: Recipe, log_with: list | None = None, wrap_classes: list[str] 
         mixed_precision=mixed,
         log_with=log_with,
         project_dir=recipe.output_dir,
-        fsdp_plugin=_fsdp_plugin(wrap_classes) if recipe.train.fsdp else None,
+        # Accelerate applies its FSDP plugin to GPU devices only; on CPU the loop shards with fully_shard itself
+        fsdp_plugin=_fsdp_plugin(wrap_classes) if recipe.train.fsdp and cuda else None,
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)] + (
             [] if recipe.train.ddp_bucket_cap_mb is None
             else [DistributedDataParallelKwargs(bucket_cap_mb=recipe.train.ddp_bucket_cap_mb)]),
@@ -177,7 +191,8 @@ def start(recipe: Recipe, log_with: list | None = None, wrap_classes: list[str] 
                           ulysses_size=recipe.ulysses_size)
     # across nodes only: inside one node the launcher itself stops every rank when one dies
     peers = PeerWatch(rank, world_size, recipe.train.peer_timeout, node=launched.node) if launched.nodes > 1 else None
-    return World(accelerator=accelerator, mesh=groups.mesh, cp=ctx, world_size=world_size, rank=rank, dp_size=dp,
+    return World(shard_on_cpu=recipe.train.fsdp and not cuda,
+                 accelerator=accelerator, mesh=groups.mesh, cp=ctx, world_size=world_size, rank=rank, dp_size=dp,
                  dp_rank=groups.dp_rank, device=device, mixed_precision=mixed, groups=groups,
                  debug_collectives=debug, peers=peers)
 
