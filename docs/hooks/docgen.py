@@ -148,10 +148,11 @@ def models() -> str:
 def _survey(path: Path) -> str:
     rec = json.loads(path.read_text())
     types = rec.get("types", {})
+    when = f", {rec['date']}" if rec.get("date") else ""
+    counts = ", ".join(f"{v} {k}" for k, v in sorted(rec.get("counts", {}).items()))
     head = [f"### Survey: every causal-LM type of the installed transformers ({path.name})", "",
             f"Written by `python -m tests.survey` (transformers {rec.get('transformers', '?')}, "
-            f"cp={rec.get('cp', '?')}): " + ", ".join(f"{v} {k}" for k, v in sorted(rec.get("counts", {}).items()))
-            + ".", "", "| model_type | status | detail |", "|---|---|---|"]
+            f"cp={rec.get('cp', '?')}{when}): {counts}.", "", "| model_type | status | detail |", "|---|---|---|"]
     return "\n".join(head + [f"| `{t}` | {r.get('status')} | {_md_escape(str(r.get('detail', ''))[:160])} |"
                              for t, r in sorted(types.items())])
 
@@ -292,8 +293,9 @@ def models_summary() -> str:
     for path in sorted((ROOT / "docs" / "models").glob("*.json")):
         rec = json.loads(path.read_text())
         counts = ", ".join(f"{v} {k}" for k, v in sorted(rec.get("counts", {}).items()))
+        when = f" ({rec['date']})" if rec.get("date") else ""
         lines.append(f"- survey of every causal-LM type of transformers {rec.get('transformers', '?')} at "
-                     f"cp={rec.get('cp', '?')}: {counts}")
+                     f"cp={rec.get('cp', '?')}{when}: {counts}")
     return "\n".join(lines)
 
 

@@ -41,11 +41,35 @@ def _visible(mask_function, q: int) -> torch.Tensor:
     return torch.as_tensor(mask_function(zero, zero, torch.tensor(q), kv)).to(torch.bool).reshape(-1)
 
 
+def _freevar(fn, name: str):
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+    names = code.co_freevars if code is not None else ()
+    return cells[names.index(name)].cell_contents if name in names else None
+
+
+def _unpacked(mask_function):
+    """The pattern under transformers' packed-sequence wrapping, and_masks(remap_positions_for_packed_sequence(
+    pattern, position_ids), packed_sequence_mask_function(ids)), else `mask_function`. transformers wraps when the
+    position_ids of a call without cache jump (a zigzag rank's own: 0..9 then 30..39 at cp=2), so without this one
+    rank reads "unknown" where the others name the window, and refuses alone while they start the ring. Documents are
+    longdoc's own business (from position_ids); the check here is only the window the pattern means."""
+    parts = _freevar(mask_function, "mask_functions")
+    if not isinstance(parts, tuple) or len(parts) != 2:
+        return mask_function
+    remapped, packed = parts
+    if "packed_sequence_mask_function" not in getattr(packed, "__qualname__", "") or \
+            "remap_positions_for_packed_sequence" not in getattr(remapped, "__qualname__", ""):
+        return mask_function
+    inner = _freevar(remapped, "mask_function")
+    return inner if callable(inner) else mask_function
+
+
 def shape_of(mask_function, probe: int = _PROBE) -> str | int | None:
     """CAUSAL, a window (int: keys visible, the query's own included), or None when not one of those. Windows
     of `probe` keys or more read as CAUSAL (they hide nothing in a row of at most `probe` tokens)."""
     if not callable(mask_function):
         return None
+    mask_function = _unpacked(mask_function)
     points = (probe, probe + probe // 3 + 1)
     try:
         runs = []

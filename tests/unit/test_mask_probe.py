@@ -31,6 +31,20 @@ def test_causal_and_the_shapes_it_cannot_name():
     assert probe.shape_of(None) is None
 
 
+def test_transformers_packed_wrapping_leaves_the_pattern_readable():
+    # a call without cache whose position_ids jump (a zigzag rank's own) is wrapped as packed sequences: read as
+    # "unknown" on that rank only, a window only the mask carries was refused on the other ranks alone (a hang)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 30, 31, 32, 33, 34]])
+    packed = mu.find_packed_sequence_indices(positions)
+    assert packed is not None
+    for pattern, shape in ((mu.sliding_window_causal_mask_function(7), 7), (mu.causal_mask_function, probe.CAUSAL)):
+        wrapped = mu.and_masks(mu.remap_positions_for_packed_sequence(pattern, positions),
+                               mu.packed_sequence_mask_function(packed))
+        assert probe.shape_of(wrapped) == shape
+    padding = mu.padding_mask_function(torch.ones(1, 20, dtype=torch.bool))
+    assert probe.shape_of(mu.and_masks(mu.causal_mask_function, padding)) is None  # other pairs stay unknown
+
+
 def test_mismatch_only_where_the_masks_are_known_and_the_layer_is_none_of_them():
     class H:
         masks_seen = None
