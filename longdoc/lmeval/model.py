@@ -5,10 +5,12 @@
 
 model_args: pretrained (a name, folder, .gguf, hub id or tiny:<arch>; default the offline SmolLM2), cp (the
 number of processes: every process is one CP rank), strategy (ring | allgather), layout, dtype, batch_size
-(requests packed into one CP forward for the log-likelihoods), max_length (default: the model's context),
-max_gen_toks, truncate (default false: a request longer than max_length is refused, never cut; true cuts
-from the left as lm-eval's hf model does), add_bos_token, prefix_token_id, rope_type/rope_factor. lm-eval's
---device (default cuda:0) picks cpu or cuda; on CUDA every rank takes its LOCAL_RANK's GPU.
+(at most this many requests packed into one CP forward for the log-likelihoods), max_batch_tokens (at most
+this many tokens in that forward's row; default max_length, so a packed row is never longer than one request
+may be), max_length (default: the model's context), max_gen_toks, truncate (default false: a request longer
+than max_length is refused, never cut; true cuts from the left as lm-eval's hf model does), add_bos_token,
+prefix_token_id, rope_type/rope_factor. lm-eval's --device (default cuda:0) picks cpu or cuda; on CUDA every
+rank takes its LOCAL_RANK's GPU.
 
 Every CP rank serves the same request stream: lm-eval is told this is ONE process (rank 0 of 1), so it
 neither splits the requests nor gathers across ranks; the ranks check that they hold the same requests
@@ -47,6 +49,20 @@ from longdoc.parallel import comm
 __all__ = ["LongDocLM"]
 
 
+def pack(lengths: list[int], items: list[Any], max_items: int, max_tokens: int) -> list[list[Any]]:
+    """`items` (of `lengths` tokens) in order, cut into rows of at most `max_items` items and `max_tokens` tokens
+    (an item longer than max_tokens alone in its row)."""
+    rows: list[list[Any]] = []
+    tokens = 0
+    for n, item in zip(lengths, items):
+        if not rows or len(rows[-1]) >= max_items or tokens + n > max_tokens:
+            rows.append([])
+            tokens = 0
+        rows[-1].append(item)
+        tokens += n
+    return rows
+
+
 def _bool(value: Any) -> bool | None:
     if value is None or isinstance(value, bool):
         return value
@@ -65,12 +81,13 @@ class LongDocLM(TemplateLM):
                  max_length: int | None = None, max_gen_toks: int = 256, truncate: bool | str = False,
                  add_bos_token: bool | str | None = None, prefix_token_id: int | None = None,
                  device: str | None = None, timeout: float = 1800, rope_type: str | None = None,
-                 rope_factor: float | None = None, max_batch_size: int | None = None, **unused: Any):
+                 rope_factor: float | None = None, max_batch_size: int | None = None,
+                 max_batch_tokens: int | None = None, **unused: Any):
         super().__init__()
         if unused:
             raise ValueError(f"model_args {sorted(unused)} are not longdoc's; it takes pretrained, cp, strategy, "
-                             f"layout, dtype, batch_size, max_length, max_gen_toks, truncate, add_bos_token, "
-                             f"prefix_token_id, device, timeout, rope_type, rope_factor")
+                             f"layout, dtype, batch_size, max_batch_tokens, max_length, max_gen_toks, truncate, "
+                             f"add_bos_token, prefix_token_id, device, timeout, rope_type, rope_factor")
         if str(batch_size).startswith("auto"):
             raise ValueError("batch_size=auto is not supported by longdoc; give the number of requests packed into "
                              "one CP forward (e.g. batch_size=8)")
@@ -101,6 +118,10 @@ class LongDocLM(TemplateLM):
         limit = self.model.config.get_text_config().max_position_embeddings
         self._max_length = int(max_length) if max_length is not None else int(limit)
         runner.check_context(self.model, self._max_length, f"max_length={self._max_length}")
+        self.max_batch_tokens = self._max_length if max_batch_tokens is None else int(max_batch_tokens)
+        if self.max_batch_tokens < self._max_length:
+            raise ValueError(f"max_batch_tokens={self.max_batch_tokens} is below max_length={self._max_length}: one "
+                             f"request alone may hold max_length tokens; raise max_batch_tokens or lower max_length")
         self._max_gen_toks = int(max_gen_toks)
         eos = self.model.generation_config.eos_token_id if self.model.generation_config is not None else None
         self.stop_ids = sorted({*([eos] if isinstance(eos, int) else eos or []), self.tokenizer.eos_token_id} - {None})
@@ -191,12 +212,12 @@ class LongDocLM(TemplateLM):
                 raise ValueError("longdoc: a loglikelihood request needs a context and a continuation of >= 1 token")
             full = self._fit(context + continuation, self.max_length + 1, "a loglikelihood request")
             prepared.append((key, full[:-1], continuation))
-        # Longest first (as lm-eval's hf model), `batch_size` requests packed into one row per CP forward.
+        # Longest first (as lm-eval's hf model), up to `batch_size` requests and `max_batch_tokens` tokens packed
+        # into one row per CP forward.
         order = sorted(range(len(prepared)), key=lambda i: -len(prepared[i][1]))
         out: list[tuple[float, bool] | None] = [None] * len(prepared)
         bar = tqdm(total=len(order), disable=disable_tqdm or self.cp.rank != 0, desc="longdoc loglikelihood")
-        for first in range(0, len(order), self.batch):
-            chunk = order[first:first + self.batch]
+        for chunk in pack([len(prepared[i][1]) for i in order], order, self.batch, self.max_batch_tokens):
             for i, score in zip(chunk, self._score_packed([prepared[i] for i in chunk])):
                 out[i] = score
                 if prepared[i][0] is not None:

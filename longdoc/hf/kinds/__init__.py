@@ -33,6 +33,8 @@ from collections.abc import Callable
 
 from torch import nn
 
+from longdoc.hf import upstream
+
 # LayerKind lives in base.py so that the kind files can import it without importing this package's __init__
 # (which imports them: an import cycle otherwise).
 from longdoc.hf.kinds.base import LayerKind, _no_problem  # noqa: F401 (kinds._no_problem: the default)
@@ -151,7 +153,8 @@ def attention_layers(config, n_layers: int, hf: nn.Module) -> int:
 def problems(hf: nn.Module, handle) -> tuple[str, str] | None:
     """The first (feature, fix) a kind refuses on this model, or a mixer no kind handles."""
     for name, m, kind in find(hf):
-        problem = kind.problem(m, handle)
+        # upstream code the kind re-implements must be the source it was written against (longdoc.hf.upstream)
+        problem = upstream.problem(kind.name, m) or kind.problem(m, handle)
         if problem is not None:
             return f"{problem[0]} (in {name})", problem[1]
     unknown = unknown_mixers(hf)

@@ -10,6 +10,7 @@ layout, the world size and the row's documents, identical on every rank.
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass
 
 from longdoc.parallel import layout as layouts
@@ -42,11 +43,10 @@ class Segments:
     def of(cls, layout: str, world_size: int, seq_len: int, documents: layouts.Packed | None = None,
            resets: tuple[int, ...] = ()) -> Segments:
         """The segments of a row of `seq_len` tokens sharded by `layout` (with `documents`, a packed row: its
-        document starts reset the state). `resets`: more reset points (e.g. the padding after a prompt)."""
-        runs = tuple(layouts.runs(layout, r, world_size, seq_len, documents) for r in range(world_size))
-        starts = set(documents.starts()[:-1]) if documents is not None else {0}
-        starts.update(p for p in resets if 0 < p < seq_len)
-        return cls(runs, tuple(sorted(starts | {0})))
+        document starts reset the state). `resets`: more reset points (e.g. the padding after a prompt).
+        Memoised: every recurrent layer of a forward asks for the same rows, and gets the same object (whose
+        pieces are then computed once)."""
+        return _of(cls, layout, world_size, seq_len, documents, tuple(resets))
 
     @property
     def world_size(self) -> int:
@@ -62,14 +62,36 @@ class Segments:
 
     def pieces(self, rank: int) -> tuple[Piece, ...]:
         """Rank `rank`'s pieces in local order (its runs cut at document starts)."""
-        out, offset = [], 0
-        for start, length in self.runs[rank]:
-            end = start + length
-            cuts = [p for p in self.starts if start < p < end]
-            for a, b in zip([start, *cuts], [*cuts, end]):
-                out.append(Piece(a, b - a, offset + a - start, self.doc_of(a)))
-            offset += length
-        return tuple(out)
+        return self._pieces[rank]
 
     def all_pieces(self) -> tuple[tuple[Piece, ...], ...]:
-        return tuple(self.pieces(r) for r in range(self.world_size))
+        return self._pieces
+
+    @functools.cached_property
+    def _pieces(self) -> tuple[tuple[Piece, ...], ...]:
+        # Each run's cuts are the starts strictly inside it, found by bisection: O((runs + pieces) log starts),
+        # where testing every start against every run took seconds at a thousand documents. (cached_property
+        # writes the instance __dict__ directly, so it works on the frozen dataclass.)
+        starts = self.starts
+        everyone = []
+        for rank_runs in self.runs:
+            out, offset = [], 0
+            for start, length in rank_runs:
+                end = start + length
+                first = bisect.bisect_right(starts, start)  # the first start after the run's own
+                cuts = starts[first:bisect.bisect_left(starts, end, first)]
+                doc = starts[first - 1]  # the document holding `start` (starts[0] == 0)
+                for a, b in zip((start, *cuts), (*cuts, end)):
+                    out.append(Piece(a, b - a, offset + a - start, doc if a == start else a))
+                offset += length
+            everyone.append(tuple(out))
+        return tuple(everyone)
+
+
+@functools.lru_cache(maxsize=32)
+def _of(cls, layout: str, world_size: int, seq_len: int, documents: layouts.Packed | None,
+        resets: tuple[int, ...]) -> Segments:
+    runs = tuple(layouts.runs(layout, r, world_size, seq_len, documents) for r in range(world_size))
+    starts = set(documents.starts()[:-1]) if documents is not None else {0}
+    starts.update(p for p in resets if 0 < p < seq_len)
+    return cls(runs, tuple(sorted(starts | {0})))
