@@ -223,13 +223,7 @@ def _train(recipe: Recipe, world: World, on_step, out: Path, ck_root: Path, resu
     logit_rows = ChunkStats()  # the largest logits block per step goes to the metrics: never the full sequence
     model.get_output_embeddings().register_forward_hook(logit_rows)
     loss_model = LossModel(model, recipe.train.loss_chunk_tokens)
-    if world.shard_on_cpu:  # FSDP2 on gloo: sharded before the optimizer sees the parameters, never DDP-wrapped
-        loss_model = world.shard_state(loss_model)
-        optimizer = acc.prepare(_optimizer(loss_model, recipe))
-        loss_model.forward = _autocast(acc, loss_model.forward)  # what acc.prepare would have wrapped it in
-    else:
-        optimizer = _optimizer(loss_model, recipe)
-        loss_model, optimizer = acc.prepare(loss_model, optimizer)
+    loss_model, optimizer = world.prepare(loss_model, lambda m: _optimizer(m, recipe))
     coverage = world.reduce_gradients(loss_model)  # DDP: buckets on the grads group (longdoc.train.world)
     _probe_head(loss_model, world, seqs, pad_id, recipe.model.name)
     raw_optimizer = getattr(optimizer, "optimizer", optimizer)
@@ -393,21 +387,10 @@ def _forward_backward(acc, world: World, loss_model, params, seqs, schedule: Ste
     return loss, grad_norm, local_tokens, aux
 
 
-def _autocast(acc, forward):
-    """`forward` under the Accelerator's autocast (its mixed precision), as acc.prepare wraps a model's forward."""
-    def run(*args, **kwargs):
-        with acc.autocast():
-            return forward(*args, **kwargs)
-    return run
-
-
 def _export(acc, world: World, loss_model, tokenizer, out: Path, recipe: Recipe) -> Path:
     state_dict = None
     if world.shard_on_cpu:  # the full weights gathered from the FSDP2 shards (a collective: every rank)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        full = get_model_state_dict(loss_model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        state_dict = {k.removeprefix("model."): v for k, v in full.items()}
+        state_dict = {k.removeprefix("model."): v for k, v in world.full_state_dict(loss_model).items()}
     elif recipe.train.fsdp:
         full = acc.get_state_dict(loss_model)  # collective: every rank takes part
         state_dict = {k.removeprefix("model."): v for k, v in (full or {}).items()}

@@ -97,6 +97,31 @@ class World:
         fully_shard(loss_model, mesh=mesh)
         return loss_model
 
+    def prepare(self, loss_model: torch.nn.Module, make_optimizer) -> tuple[torch.nn.Module, Any]:
+        """(model, optimizer) ready to train: Accelerate's prepare (DDP, or FSDP2 on GPUs). train.fsdp on CPU:
+        shard_state first (the optimizer then holds the shards), the optimizer alone through Accelerate, and the
+        forward under its autocast, as its prepare would have wrapped it; never DDP around the sharded model."""
+        acc = self.accelerator
+        if not self.shard_on_cpu:
+            return acc.prepare(loss_model, make_optimizer(loss_model))
+        loss_model = self.shard_state(loss_model)
+        optimizer = acc.prepare(make_optimizer(loss_model))
+        forward = loss_model.forward
+
+        def autocast_forward(*args, **kwargs):
+            with acc.autocast():
+                return forward(*args, **kwargs)
+
+        loss_model.forward = autocast_forward
+        return loss_model, optimizer
+
+    @staticmethod
+    def full_state_dict(loss_model: torch.nn.Module) -> dict:
+        """The full weights gathered from FSDP2 shards, on the CPU (a collective: every rank calls it)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(loss_model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
     def reduce_gradients(self, model: torch.nn.Module) -> GradCoverage | None:
         """After accelerator.prepare: DDP reduces on the grads group. In debug mode under DDP, returns the
         check that every trainable parameter gets a gradient in every backward (call .check after each);
