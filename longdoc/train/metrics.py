@@ -6,7 +6,6 @@ tqdm bar with loss, tokens/s, step time and peak memory. `plot_loss` draws OUTPU
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import resource
@@ -14,6 +13,8 @@ from pathlib import Path
 
 import torch
 from accelerate.tracking import GeneralTracker
+
+from longdoc.budgets import return_freed_memory  # noqa: F401  (re-exported: the trainer's setting)
 
 
 class JSONLTracker(GeneralTracker):
@@ -75,24 +76,6 @@ def read_jsonl(path: str | Path) -> list[dict]:
         except json.JSONDecodeError:
             break
     return rows
-
-
-def return_freed_memory() -> bool:
-    """Make glibc give freed memory back to the OS at once; True where it applied (glibc only).
-
-    By default glibc raises its mmap threshold to the size of the largest block freed so far (up to 32 MiB)
-    and keeps freed heap memory for reuse. A training step frees gigabytes of activations in blocks of a
-    few MiB, so the process keeps 0.5-2 GiB more than its live tensors (measured with SmolLM2-135M at 1k-4k
-    tokens), an amount that depends on allocation order. A fixed 128 KiB threshold makes every larger
-    tensor its own mapping, unmapped when freed: the resident size then follows the live tensors. The
-    price is a page fault per fresh page, a few percent of a CPU step.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's mallopt parameter numbers
-    return bool(libc.mallopt(m_mmap_threshold, 128 * 1024)) and bool(libc.mallopt(m_trim_threshold, 128 * 1024))
 
 
 class PeakMemory:
