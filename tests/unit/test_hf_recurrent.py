@@ -149,5 +149,6 @@ def test_a_blind_entry_point_discovery_fails_loudly_instead_of_passing(monkeypat
     _, model = hybrid_pair("mamba2")
     mixer = next(m for m in model.modules() if type(m).__name__ == "Mamba2Mixer")
     monkeypatch.setattr(recurrent, "is_entry_point", lambda value: False)
-    with pytest.raises(recurrent.EntryPointError, match="cannot recognise .*mamba2_chunk_scan.* as kernel entry points"):
+    with pytest.raises(recurrent.EntryPointError,
+                       match="cannot recognise .*mamba2_chunk_scan.* as kernel entry points"):
         recurrent.unrouted(mixer, mamba2.ROUTED)
