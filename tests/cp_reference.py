@@ -37,24 +37,85 @@ def reference(q, k, v, dout, causal: bool):
     return out.detach(), dq, dk, dv
 
 
+def _repeat_kv(t: torch.Tensor, q_heads: int) -> torch.Tensor:
+    # transformers' repeat_kv (expand + reshape): its backward sums a group's gradients in fp32 and rounds once
+    b, h, n, d = t.shape
+    return t[:, :, None].expand(b, h, q_heads // h, n, d).reshape(b, q_heads, n, d)
+
+
+def one_device(q, k, v, dout, mask: torch.Tensor | None = None, causal: bool = True, softcap: float | None = None,
+               sinks: torch.Tensor | None = None):
+    """Output and gradients (dq, dk, dv[, dsinks]) of the same attention computed by ONE process in q's dtype, as
+    transformers does it on CPU: K/V repeated to the query heads (its SDPA gets GQA natively only on CUDA/XPU), then
+    SDPA (with the bool mask, True = visible) where no soft-capping or sinks are asked, else the eager recipe: scores
+    in the dtype, soft-capped, masked, softmax in fp32 (a sink as one more logit), rounded to the dtype, times V."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    if sinks is not None:
+        leaves.append(sinks.detach().clone().requires_grad_())
+    hq = q.shape[1]
+    ql, kl, vl = leaves[0], _repeat_kv(leaves[1], hq), _repeat_kv(leaves[2], hq)
+    if softcap is None and sinks is None:
+        out = F.scaled_dot_product_attention(ql, kl, vl, attn_mask=mask, is_causal=causal and mask is None)
+    else:
+        s = ql @ kl.transpose(-1, -2) * q.shape[-1] ** -0.5
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        s = s.float()
+        if mask is None:
+            mask = pattern_mask(q.shape[2], causal)
+        s = s.masked_fill(~mask, float("-inf"))
+        if sinks is not None:
+            s = torch.cat([s, leaves[3].float().view(1, -1, 1, 1).expand(*s.shape[:3], 1)], dim=-1)
+        p = torch.softmax(s, dim=-1)
+        p = (p[..., :-1] if sinks is not None else p).to(q.dtype)
+        out = p @ vl
+    grads = torch.autograd.grad(out, leaves, dout)
+    return (out.detach(), *grads)
+
+
+# One device's error is the bound: CP in bf16 may be at most 1.5x as far from float64, plus one bf16 rounding (2^-8
+# of the tensor's largest entry). The floor is what cutting a row into blocks costs (windows, chunks, documents: the
+# blocks a pattern leaves): a bf16 kernel returns each block's partial result rounded before the fp32 merge or sum.
+ONE_DEVICE_RATIO, ONE_DEVICE_FLOOR = 1.5, 2.0**-8
+
+
+def check_vs_one_device(results) -> None:
+    """Assert every (case, cp errors, one-device errors) is within ONE_DEVICE_RATIO x one device's error + the floor."""
+    failures = []
+    for case, errs, one in results:
+        bad = {k: f"{e:.2e} vs one device {one[k]:.2e} ({e / max(one[k], 1e-30):.2f}x)" for k, e in errs.items()
+               if not e <= ONE_DEVICE_RATIO * one[k] + ONE_DEVICE_FLOOR}
+        if bad:
+            failures.append(f"{case}: {bad}")
+    assert not failures, (f"{len(failures)} cases over {ONE_DEVICE_RATIO}x one device's error + {ONE_DEVICE_FLOOR}:\n"
+                          + "\n".join(failures))
+
+
 def cases(head_dims=(64, 128), strategies=("ring", "allgather")):
     return list(itertools.product(("zigzag", "contiguous"), (True, False), tuple(HEADS), head_dims,
                                   tuple(DTYPES), strategies))
 
 
-def run_case(cp, case, seed: int, chunk: int = 6, batch: int = 2) -> dict[str, float]:
-    """Relative errors of CP attention vs the float64 reference for one case, on this rank."""
+def run_case(cp, case, seed: int, chunk: int = 6, batch: int = 2, head_counts: tuple[int, int] | None = None,
+             one: bool = False):
+    """Relative errors of CP attention vs the float64 reference for one case, on this rank.
+    head_counts: (q_heads, kv_heads) instead of case[2]'s.
+    one: return (errors, one device's errors on the same shard)."""
     import longdoc
 
     layout, causal, heads, head_dim, dtype_name, strategy = case
     seq_len = chunk * cp.multiple
-    q, k, v, dout = make_case(seed, batch, ALL_HEADS[heads], seq_len, head_dim, DTYPES[dtype_name])
+    q, k, v, dout = make_case(seed, batch, head_counts or ALL_HEADS[heads], seq_len, head_dim, DTYPES[dtype_name])
     ref = reference(q, k, v, dout, causal)
     ql, kl, vl = (cp.shard(t, dim=2).requires_grad_() for t in (q, k, v))
     out = longdoc.attention(ql, kl, vl, cp, causal=causal, strategy=strategy)
     grads = torch.autograd.grad(out, (ql, kl, vl), cp.shard(dout, dim=2))
     names = ("out", "dq", "dk", "dv")
-    return {n: rel_err(x, cp.shard(r, dim=2)) for n, x, r in zip(names, (out, *grads), ref)}
+    errs = {n: rel_err(x, cp.shard(r, dim=2)) for n, x, r in zip(names, (out, *grads), ref)}
+    if not one:
+        return errs
+    base = one_device(q, k, v, dout, causal=causal)
+    return errs, {n: rel_err(cp.shard(x, dim=2), cp.shard(r, dim=2)) for n, x, r in zip(names, base, ref)}
 
 
 # ---- attention patterns: windows, chunks, soft-capping, sinks, documents -------------------------
@@ -133,6 +194,7 @@ PATTERNS: dict[str, dict] = {
     "selected": {"selected": 6},
     "selected_docs_sinks": {"selected": 5, "docs": True, "sinks": True},
     "selected_softcap": {"selected": 9, "softcap": 2.5},
+    "selected_window": {"selected": 6, "window": 5},  # band blocks with a lower edge
 }
 
 
@@ -179,9 +241,10 @@ def _err(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def run_pattern_case(cp_factory, case, seed: int, world_size: int, batch: int = 2, head_dim: int = 16,
-                     device: str = "cpu", doc_lens: tuple[int, ...] | None = None) -> dict:
+                     device: str = "cpu", doc_lens: tuple[int, ...] | None = None, one: bool = False):
     """Relative errors of CP attention with a pattern vs the float64 reference, on this rank.
-    doc_lens: the packed row's documents instead of the default ones (`docs` patterns only)."""
+    doc_lens: the packed row's documents instead of the default ones (`docs` patterns only).
+    one: return (errors, one device's errors on the same shard) (not with selected keys)."""
     import longdoc
 
     name, layout, strategy, heads, dtype_name = case
@@ -224,7 +287,13 @@ def run_pattern_case(cp_factory, case, seed: int, world_size: int, batch: int = 
         if cp.size > 1:
             torch.distributed.all_reduce(dsinks, group=cp.group)
         errs["dsinks"] = _err(dsinks, ref[4])
-    return errs
+    if not one:
+        return errs
+    base = one_device(q, k, v, dout, mask, causal, spec.get("softcap"), sinks)
+    one_errs = {n_: _err(shard(b_), shard(r_)) for n_, b_, r_ in zip(("out", "dq", "dk", "dv"), base, ref)}
+    if sinks is not None:
+        one_errs["dsinks"] = _err(base[4], ref[4])
+    return errs, one_errs
 
 
 TOL = {"fp32": 1e-5, "bf16": 1e-2}  # relative; bf16 scales with the world size (more merge steps)

@@ -75,9 +75,10 @@ def _send_home(ring: Ring, dkv: torch.Tensor, steps: int) -> tuple[Pending, torc
 def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                   lse: torch.Tensor, ring: Ring | None, layout: str, causal: bool, scale: float,
                   kernel: Kernel, pattern: Pattern | None = None, band_kernel: Kernel | None = None,
-                  runs: Runs | None = None,
-                  selected: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) from the FINAL out and lse (sinks folded in, if any)."""
+                  runs: Runs | None = None, selected: torch.Tensor | None = None,
+                  dkv_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) from the FINAL out and lse (sinks folded in, if any). dkv_dtype: dk, dv in that dtype
+    (default k's); the fp32 accumulator for a caller that sums them further (Ulysses' replicated heads)."""
     rank, size = (ring.rank, ring.size) if ring else (0, 1)
     pattern = pattern or Pattern(causal)
     acc = lse_dtype(q.dtype)
@@ -110,7 +111,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     if dkv_pending is not None:
         dkv_pending.wait()
         dkv = dkv_recv  # the accumulator of this rank's own block, back from the last rank that used it
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    return dq.to(q.dtype), dkv[0].to(dkv_dtype or k.dtype), dkv[1].to(dkv_dtype or v.dtype)
 
 
 class RingAttention(torch.autograd.Function):

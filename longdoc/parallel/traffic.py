@@ -47,7 +47,8 @@ def _ulysses(size: int, rank: int, local_len: int, q_heads: int, kv_heads: int, 
     qkv_out = sum(wq[j] + 2 * wkv[j] for j in others) * token  # q, k, v to the ranks owning those heads
     back = (size - 1) * wq[rank] * token  # this rank's heads of the output, to every token owner
     d_in = sum(wq[j] for j in others) * token  # dout
-    d_back = (size - 1) * (wq[rank] + 2 * wkv[rank]) * token  # dq, dk, dv
+    # dq, dk, dv; a replicated K/V head's partial dK/dV travel in fp32 from half precision (summed, rounded once)
+    d_back = (size - 1) * (wq[rank] + 2 * wkv[rank] * (2 if heads.replicated and itemsize == 2 else 1)) * token
     kv_local = wq[rank] if heads.kv_index(rank) is not None else wkv[rank]  # expanded when not plain GQA
     return Traffic(qkv_out + back, d_in + d_back), kv_local
 

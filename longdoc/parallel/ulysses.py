@@ -22,10 +22,14 @@ receives exactly the K/V heads its query heads read (head h reads K/V head h // 
 - kv_heads a multiple of U: a plain split, nothing replicated;
 - fewer K/V heads (GQA/MQA with kv_heads < U): a K/V head goes to every rank that reads it, the cheapest exact
   rule (no rank receives a head it does not read); in backward the owner sums the partial dK/dV of such a
-  replicated head in fp32;
+  replicated head in fp32 (in half precision they travel in fp32 too, so the sum is rounded once);
 - a query range that does not start on a K/V group boundary (9 heads / 3 K/V heads over 2 ranks): after the
   all-to-all the local K/V heads are expanded to one per query head (a local copy, nothing more is sent, but
   under usp the expanded K/V is what goes round the ring); the gradient is summed back.
+
+bf16 / fp16 (as accurate as one device: docs/concepts.md): the backward kernel gets K/V expanded to one head per
+query head and each GQA group's dK/dV is summed in fp32 (`_fp32_groups`); dK/dV still to be summed (replicated or
+expanded heads) stay fp32 until that sum; the sinks gradient reads the fp32 output.
 
 Sinks (GPT-OSS): a rank folds only its own heads' sinks into its merged (out, lse), once; its sinks gradient is
 zero for the other heads, so summed over the CP group it is the full gradient, as for the ring.
@@ -36,7 +40,7 @@ exact formulas, checked against counted traffic by tests/dist/test_attention_uly
 kv = 2 * kv_heads * head_dim, q = o = q_heads * head_dim elements per token:
   ring        (P-1) L kv  forward, (P-1) L kv + P L kv (fp32 dK/dV) backward   ~ 3 N kv: O(N), whatever P
   all-gather  the same K/V once per pass, plus a reduce-scatter of dK/dV          O(N), full K/V held per layer
-  ulysses     (P-1)/P L (q + kv + o) forward, the same backward                   O(N / P), one big kernel
+  ulysses     (P-1)/P L (q + kv + o) forward, the same backward (replicated K/V heads' dK/dV in fp32)  O(N / P)
   usp         ulysses over U ranks on U L tokens, then the ring over R = P / U on U L tokens for ~H/U heads
 Ulysses moves less per rank as P grows and keeps one large kernel per rank, but every rank sends to every
 other one (an all-to-all wants fast links, i.e. one node), it carries q and o too (with few K/V heads the ring's
@@ -187,49 +191,84 @@ def _seq_to_heads(tensors: list[torch.Tensor], ranges: list[tuple[Range, ...]], 
 
 
 def _heads_to_seq(tensors: list[torch.Tensor], ranges: list[tuple[Range, ...]], grid: Grid,
-                  tokens: Tokens) -> list[torch.Tensor]:
+                  tokens: Tokens, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     """Inverse of `_seq_to_heads`: (batch, this rank's heads, group_len, dim) -> (batch, all heads, local_len,
-    dim) of this rank's tokens. Where ranges overlap (a replicated K/V head) the contributions are summed (fp32)."""
+    dim) of this rank's tokens, in `dtype` (default: the first tensor's). Where ranges overlap (a replicated K/V
+    head) the contributions are summed in fp32; a tensor handed over in fp32 there travels in fp32 (its bytes
+    viewed as pairs of the 2-byte wire dtype), so such a sum is rounded once, on arrival."""
+    dtype = dtype or tensors[0].dtype
     if grid.size == 1:
-        return tensors
-    b, _, n_group, d = tensors[0].shape
+        return [t.to(dtype) for t in tensors]
+    wire, sent = tensors[0].dtype, [t.dtype for t in tensors]
+    # per tensor: its elements on the wire, (batch, heads, group_len, width in wire elements)
+    tensors = [t if t.dtype == wire else t.contiguous().view(wire) for t in tensors]
+    b, _, n_group, _ = tensors[0].shape
+    dims = [t.shape[-1] for t in tensors]
     n = n_group // grid.size
     me = grid.rank
     widths = [[e - a for a, e in r] for r in ranges]
-    send_splits = [sum(b * w[me] * n * d for w in widths)] * grid.size
+    send_splits = [sum(b * w[me] * n * d for w, d in zip(widths, dims))] * grid.size
     buf = tensors[0].new_empty(sum(send_splits))
     off = 0
     for j in range(grid.size):
-        for t, w in zip(tensors, widths):
+        for t, w, d in zip(tensors, widths, dims):
             size = b * w[me] * n * d
             view, pos = buf[off:off + size].view(b, w[me], n, d), 0
             for start, length in tokens.local[j]:
                 view[:, :, pos:pos + length].copy_(t[:, :, start:start + length])
                 pos += length
             off += size
-    recv_splits = [sum(b * w[s] * n * d for w in widths) for s in range(grid.size)]
+    recv_splits = [sum(b * w[s] * n * d for w, d in zip(widths, dims)) for s in range(grid.size)]
     recv = comm.all_to_all(buf, send_splits, recv_splits, grid.group, grid.timeout, grid.guard,
                            "all_to_all ulysses heads->seq",
                            buf.element_size() * sum(recv_splits))  # all heads come back: same bytes on every rank
-    outs = []
     total_heads = [r[-1][1] for r in ranges]
     overlap = [any(a < e0 for (_, e0), (a, _) in zip(r, r[1:])) for r in ranges]
-    dtype = tensors[0].dtype
-    accs = [torch.zeros(b, h, n, d, dtype=lse_dtype(dtype), device=buf.device) if o
-            else buf.new_empty(b, h, n, d) for h, o in zip(total_heads, overlap)]
+    accs = [torch.zeros(b, h, n, d * wire.itemsize // t.itemsize, dtype=lse_dtype(dtype), device=buf.device) if o
+            else torch.empty(b, h, n, d * wire.itemsize // t.itemsize, dtype=t, device=buf.device)
+            for h, o, d, t in zip(total_heads, overlap, dims, sent)]
     off = 0
     for s in range(grid.size):
-        for i, (r, w) in enumerate(zip(ranges, widths)):
+        for i, (r, w, d) in enumerate(zip(ranges, widths, dims)):
             size = b * w[s] * n * d
             piece = recv[off:off + size].view(b, w[s], n, d)
+            piece = piece if sent[i] == wire else piece.view(sent[i])
             if overlap[i]:
                 accs[i][:, r[s][0]:r[s][1]] += piece
             else:
                 accs[i][:, r[s][0]:r[s][1]] = piece
             off += size
-    for acc, o in zip(accs, overlap):
-        outs.append(acc.to(dtype) if o else acc)
-    return outs
+    return [acc.to(dtype) for acc in accs]
+
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+@functools.lru_cache(maxsize=64)
+def _fp32_groups(kernel: Kernel | None) -> Kernel | None:
+    """`kernel` whose backward sums the dK/dV of each GQA group in fp32, returned unrounded.
+
+    A half-precision kernel handed compact K/V sums the gradients of a group's query heads in its own dtype (aten's
+    CPU flash backward rounds to bf16 after every head and every query split: 2-3x the error of one device), while
+    one device (transformers repeats K/V on CPU) rounds each head once and sums them in fp32. So the backward sees
+    K/V expanded to one head per query head, the group is summed in fp32, and ring_backward adds the fp32 sums to
+    its fp32 accumulator and rounds once at the end. The forward is untouched (each query head reads its K/V head
+    either way); the expansion is local, after the all-to-all, so nothing more travels."""
+    if kernel is None or kernel.name == "math":  # math sums in fp32 already
+        return kernel
+
+    def backward(dout, q, k, v, out, lse, causal, scale, **extra):
+        g = q.shape[1] // k.shape[1]
+        if g == 1:
+            return kernel.backward(dout, q, k, v, out, lse, causal, scale, **extra)
+        dq, dk, dv = kernel.backward(dout, q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), out, lse,
+                                     causal, scale, **extra)
+        b, _, n, d = k.shape
+        # (batch, kv_heads, group, len, head_dim) -> summed over the group in fp32
+        return (dq, dk.reshape(b, -1, g, n, d).sum(2, dtype=torch.float32),
+                dv.reshape(b, -1, g, n, d).sum(2, dtype=torch.float32))
+
+    return Kernel(f"{kernel.name}+fp32_groups", kernel.forward, backward, kernel.band, kernel.softcap)
 
 
 def _expand(kv: torch.Tensor, heads: Heads, rank: int) -> torch.Tensor:
@@ -259,32 +298,44 @@ def ulysses_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Gri
     q_h, k_h, v_h = _seq_to_heads([q, k, v], [heads.q, heads.kv, heads.kv], grid, tokens)
     out_h, lse_h = ring_forward(q_h, _expand(k_h, heads, me), _expand(v_h, heads, me), grid.ring, grid.layout,
                                 pattern.causal, scale, kernel, pattern, band_kernel, tokens.ring_runs)
+    kept = out_h
     if sinks is not None:
         a, b = heads.q[me]
-        out_h, lse_h = blocks.fold_sinks(out_h.to(lse_h.dtype), lse_h, sinks[a:b])
-        out_h = out_h.to(q.dtype)
+        kept, lse_h = blocks.fold_sinks(out_h.to(lse_h.dtype), lse_h, sinks[a:b])
+        # kept in fp32 for backward: the sinks gradient reads dout . out, which one device takes from unrounded
+        # probabilities; the kernels get it rounded, as here
+        out_h = kept.to(q.dtype)
     (out,) = _heads_to_seq([out_h], [heads.q], grid, tokens)
-    return out, (q_h, k_h, v_h, out_h, lse_h)
+    return out, (q_h, k_h, v_h, kept, lse_h)
 
 
 def ulysses_backward(dout: torch.Tensor, q_h: torch.Tensor, k_h: torch.Tensor, v_h: torch.Tensor,
                      out_h: torch.Tensor, lse_h: torch.Tensor, grid: Grid, heads: Heads, tokens: Tokens,
                      causal: bool, scale: float, kernel: Kernel, pattern: Pattern | None = None,
                      band_kernel: Kernel | None = None, sinks: torch.Tensor | None = None):
-    """(dq, dk, dv, dsinks or None) of this rank's tokens from the FINAL head-sharded out and lse."""
+    """(dq, dk, dv, dsinks or None) of this rank's tokens from the FINAL head-sharded out (fp32 with sinks) and lse."""
     pattern = pattern or Pattern(causal)
     me = grid.rank
+    out_f, out_h = out_h, out_h.to(q_h.dtype)
     (dout_h,) = _seq_to_heads([dout], [heads.q], grid, tokens)
+    half = q_h.dtype in _HALF
+    if half:
+        kernel, band_kernel = _fp32_groups(kernel), _fp32_groups(band_kernel)
+    # dK/dV that are summed further (a replicated head's parts on several ranks, expanded heads) stay fp32 until
+    # the sum: rounded once, as one device's sum over a group's query heads is
+    summed = half and (heads.replicated or heads.kv_index(me) is not None)
     dq_h, dk_h, dv_h = ring_backward(dout_h, q_h, _expand(k_h, heads, me), _expand(v_h, heads, me), out_h, lse_h,
                                      grid.ring, grid.layout, pattern.causal, scale, kernel, pattern, band_kernel,
-                                     tokens.ring_runs)
+                                     tokens.ring_runs, dkv_dtype=lse_dtype(q_h.dtype) if summed else None)
     dsinks = None
     if sinks is not None:
         a, b = heads.q[me]
         dsinks = torch.zeros_like(sinks)
-        dsinks[a:b] = blocks.sinks_grad(dout_h, out_h, lse_h, sinks[a:b])
-    dq, dk, dv = _heads_to_seq([dq_h, _unexpand(dk_h, heads, me), _unexpand(dv_h, heads, me)],
-                               [heads.q, heads.kv, heads.kv], grid, tokens)
+        dsinks[a:b] = blocks.sinks_grad(dout_h, out_f, lse_h, sinks[a:b])
+    dk_h, dv_h = _unexpand(dk_h, heads, me), _unexpand(dv_h, heads, me)
+    if summed and not heads.replicated:  # expanded only: the sum is done, round (the same on every rank)
+        dk_h, dv_h = dk_h.to(k_h.dtype), dv_h.to(v_h.dtype)
+    dq, dk, dv = _heads_to_seq([dq_h, dk_h, dv_h], [heads.q, heads.kv, heads.kv], grid, tokens)
     return dq, dk, dv, dsinks
 
 

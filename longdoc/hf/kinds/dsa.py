@@ -14,6 +14,10 @@ Under CP the indexer module's OWN forward runs, unchanged, on what it would see 
      even exact ties are broken as one process breaks them: torch.topk's order on a tie is a function of the
      whole row, its length included (CPU: introselect), which a merge of per-block top-ks could not
      reproduce. The indices it returns are global key positions.
+  On CUDA the stable rule replaces step 2's bitwise argument (a GEMM picks its algorithm by shape, so a tile's
+  fp32 score may differ from one process's in the last bit): the score products run in float64 and ties go to
+  the lower global key index (`stable_topk`), at every tile shape and in longdoc's one-process path alike. The
+  guarantee, per device, is stated in docs/concepts.md (Selected-key attention).
 The tiles bound memory at SCORE_ELEMENTS (one process builds (S x heads x T) scores at once); the compute per
 query is the one process's. Packed rows: each document is its own row (what running it alone gives). The
 indices go to the attention function as `indices=` and from there to the CP core as `selected=`
@@ -111,32 +115,59 @@ def _tile_rows(heads: int, batch: int, row_len: int) -> int:
     return max(1, SCORE_ELEMENTS // max(1, heads * batch * row_len))
 
 
+def stable_rule(device: torch.device) -> bool:
+    """Whether the indexer's selection on `device` follows the stable rule (float64 scores, ties to the lower key
+    index: see the module docstring) rather than torch.topk on fp32 scores bitwise equal to one process's."""
+    return device.type != "cpu"
+
+
+def stable_topk(x: torch.Tensor, k: int) -> torch.return_types.topk:
+    """The k largest along the last dim; among equal values the lower index first (a stable descending sort)."""
+    values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
+    return torch.return_types.topk((values[..., :k], indices[..., :k]))
+
+
 class _FullRow(TorchFunctionMode):
     """Inside the indexer: its top-k runs on the one-process row of `row_len` keys. It scored only the keys up to
     its last query (every later key is hidden from all its queries); the rest of the row is what one process's
-    mask puts there, -inf, so the row torch.topk sees is one process's, value for value, and so is its choice."""
+    mask puts there, -inf, so the row torch.topk sees is one process's, value for value, and so is its choice.
 
-    def __init__(self, row_len: int, index_topk: int):
+    stable: the score products (the indexer's matmuls whose result has one column per key seen) run in float64
+    and the top-k is `stable_topk`, so the choice no longer rests on the GEMM's shape (see the module docstring)."""
+
+    def __init__(self, row_len: int, index_topk: int, stable: bool = False, seen: int = -1):
         super().__init__()
-        self.row_len, self.k = row_len, min(index_topk, row_len)
+        self.row_len, self.k, self.stable, self.seen = row_len, min(index_topk, row_len), stable, seen
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in (torch.Tensor.topk, torch.topk) and args[0].dim() == 3 and args[0].shape[-1] < self.row_len:
+        if func in (torch.Tensor.topk, torch.topk) and args[0].dim() == 3:
             x = args[0]
-            x = torch.cat([x, x.new_full((*x.shape[:-1], self.row_len - x.shape[-1]), float("-inf"))], dim=-1)
+            if x.shape[-1] < self.row_len:
+                x = torch.cat([x, x.new_full((*x.shape[:-1], self.row_len - x.shape[-1]), float("-inf"))], dim=-1)
+            if self.stable:
+                return stable_topk(x, self.k)
+            if x is args[0]:
+                return func(*args, **kwargs)
             kwargs.pop("k", None)
             return func(x, self.k, *args[2:], **kwargs)
+        if (self.stable and func in (torch.matmul, torch.Tensor.matmul) and len(args) == 2
+                and all(torch.is_tensor(t) and t.is_floating_point() and t.dim() >= 3 for t in args)
+                and args[1].shape[-1] == self.seen):
+            # fp32 x fp32 products are exact in float64: the accumulation order (which the GEMM picks by shape)
+            # moves a score by ~1e-16 relative, not by fp32 ulps
+            return func(args[0].double(), args[1].double(), **kwargs)
         return func(*args, **kwargs)
 
 
 def _select(original, call: dict, keys: torch.Tensor, pieces, heads: int, width: int,
-            index_topk: int) -> torch.Tensor:
+            index_topk: int, stable: bool | None = None) -> torch.Tensor:
     """(B, L, width) int32 global key indices. Each piece (local offset, global start, length, key offset, row
     length) is a run of this rank's queries whose one-process row is keys[:, key offset : key offset + row
     length]; the indexer scores and top-k's them itself (scoring only the keys up to each tile's last query:
-    _FullRow). -1 pads rows narrower than width."""
+    _FullRow). -1 pads rows narrower than width. stable: the rule (None: `stable_rule` of the device)."""
     hidden = call["hidden_states"]
+    stable = stable_rule(hidden.device) if stable is None else stable
     b, length = hidden.shape[:2]
     out = torch.full((b, length, width), -1, dtype=torch.int32, device=hidden.device)
     for local, start, n, key_off, row_len in pieces:
@@ -148,7 +179,7 @@ def _select(original, call: dict, keys: torch.Tensor, pieces, heads: int, width:
             i = torch.arange(first, last, device=hidden.device)
             j = torch.arange(seen, device=hidden.device)
             mask = (j[None, :] <= i[:, None]).unsqueeze(0).expand(b, -1, -1)  # (B, tile, seen): causal
-            with _FullRow(row_len, index_topk):
+            with _FullRow(row_len, index_topk, stable, seen):
                 idx, _ = _run(original, _rows(call, length, slice(local + a, local + a + r)), mask,
                               keys[:, key_off:key_off + seen])
             idx = idx.to(torch.int32)

@@ -25,7 +25,8 @@ def _scan(call: recurrent.Call):
         segs = call.segments(hidden_states.shape[0], hidden_states.shape[-1])
         out = run(rec, (hidden_states, dt, B, C), call.cp, segs, dims=2, out_dim=2,
                   final_at=call.final_at if return_last_state else None)
-        y = out.y if z is None else out.y * F.silu(z)  # the gate, as the scan applies it after the state
+        y = out.y.to(rec.out_dtype(hidden_states))  # fp32 until here: rounded once, as one process does
+        y = y if z is None else y * F.silu(z)  # the gate, as the scan applies it after the state
         return (y, out.final[0]) if return_last_state else y
     return scan
 

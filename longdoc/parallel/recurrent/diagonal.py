@@ -83,7 +83,12 @@ class Selective:
 
     Piece inputs: x and dt (b, channels, L), B and C (b, state, L). State: (b, channels, state). `scan` is
     called as scan(x, dt, A, B, C, D=, z=None, delta_bias=, delta_softplus=, return_last_state=True, **extra)
-    -> (y0, last_state); the output gate z is the caller's to apply after the correction."""
+    -> (y0, last_state); the output gate z is the caller's to apply after the correction.
+
+    Outputs are fp32 (float64 for float64 inputs); the caller rounds once to `out_dtype`. The piece runs on fp32
+    inputs, as delta.run_piece does: a bf16 scan would round its zero-state output y0 (transformers' torch scan
+    rounds the state and C . state to the input dtype), and the correction added to it would round a second time,
+    where one process rounds C . state once. In fp32 the corrected output is rounded once, at the end."""
 
     scan: Callable
     A: torch.Tensor  # (channels, state)
@@ -91,6 +96,10 @@ class Selective:
     delta_bias: torch.Tensor | None = None
     delta_softplus: bool = False
     extra: tuple[tuple[str, object], ...] = ()  # more keyword arguments for `scan`
+
+    def out_dtype(self, x: torch.Tensor) -> torch.dtype:
+        """The dtype the scan returns for input `x` (C . state in x's dtype, plus the D skip connection)."""
+        return x.dtype if self.D is None else torch.promote_types(x.dtype, self.D.dtype)
 
     def step(self, dt: torch.Tensor) -> torch.Tensor:
         """dt per step after the bias and softplus the scan applies, (b, channels, L)."""
@@ -101,19 +110,19 @@ class Selective:
         return dt
 
     def local(self, piece):
-        x, dt, B, C = piece
+        x, dt, B, C = (_acc(t) for t in piece)
         y0, s0 = self.scan(x, dt, self.A, B, C, D=self.D, z=None, delta_bias=self.delta_bias,
                            delta_softplus=self.delta_softplus, return_last_state=True, **dict(self.extra))
-        log_t = _acc(self.A)[None] * _acc(self.step(dt)).sum(dim=-1)[..., None]  # (b, channels, state)
-        return y0, (log_t, s0)
+        log_t = _acc(self.A)[None] * self.step(dt).sum(dim=-1)[..., None]  # (b, channels, state)
+        return _acc(y0), (log_t, s0)
 
     advance = staticmethod(_advance)
 
     def finish(self, piece, y0, state):
-        x, dt, B, C = piece
+        x, dt, B, C = (_acc(t) for t in piece)
         (s,) = state
-        acc = torch.promote_types(torch.promote_types(_acc(C).dtype, s.dtype), _acc(dt).dtype)
+        acc = torch.promote_types(torch.promote_types(C.dtype, s.dtype), y0.dtype)
         cum = torch.cumsum(self.step(dt).to(acc), dim=-1)  # (b, channels, L)
         decay = torch.exp(self.A.to(acc)[None, :, None, :] * cum[..., None])  # (b, channels, L, state)
         corr = torch.einsum("bdln,bdn,bnl->bdl", decay, s.to(acc), C.to(acc))
-        return y0 + corr.to(y0.dtype)
+        return y0.to(acc) + corr
