@@ -199,3 +199,33 @@ def test_bad_settings_fail_before_any_compute(tmp_path):
     model, tok = load("tiny:llama", max_position_embeddings=2048)
     with pytest.raises(Exception, match=r"--lengths 4096 .*exceeds the model's context \(2048 tokens\)"):
         evaluate(model.eval(), tok, ContextParallel(), {"lengths": [1024, 4096], "samples": 1})
+
+
+def test_the_users_documents_are_the_needle_haystack(builder, tok, tmp_path):
+    """`--haystack FILE|FOLDER`: the needle tasks' filler is the user's own sentences (hard wraps read as prose),
+    every sample still exact in length and a pure function of its arguments and the text."""
+    from longdoc.eval.ruler.generate import document_haystack
+
+    text = ("The Licensee shall pay the royalty within thirty days of each\nquarter's end. Either party may "
+            "terminate this Agreement on ninety days' notice. ") * 3 + "Notices go to the registered office."
+    name = document_haystack([text])
+    assert name.startswith("documents:") and document_haystack([text]) == name
+    a, b = _make(builder, "niah_single", haystack=name), _make(builder, "niah_single", haystack=name)
+    assert a.ids == b.ids and len(a.ids) == 1536 - TASKS["niah_single"].max_new_tokens
+    prompt = tok.decode(a.ids)
+    assert "royalty within thirty days of each quarter's end" in prompt and "terminate this Agreement" in prompt
+    assert a.references[0] in prompt
+
+
+def test_eval_ruler_reads_a_haystack_folder(tmp_path):
+    from longdoc.cli import main
+    from longdoc.eval import report
+
+    folder = tmp_path / "contracts"
+    folder.mkdir()
+    (folder / "a.txt").write_text("The Seller warrants title to the goods. Risk passes on delivery.\n" * 40)
+    (folder / "b.md").write_text("# Terms\n\nPayment is due within 30 days of invoice.\n" * 40)
+    out = tmp_path / "r"
+    assert main(["eval", "ruler", "--model", "tiny:llama", "--threads", "1", "--lengths", "1024", "--samples", "1",
+                 "--ruler-tasks", "niah_single", "--haystack", str(folder), "--out", str(out)]) == 0
+    assert report.load_results(out)["haystack"].startswith("documents:")

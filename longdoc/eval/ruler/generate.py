@@ -12,8 +12,10 @@ random.Random(f"ruler:{task}:{seed}:{length}:{index}") draws keys, values, depth
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import random
+import re
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -67,7 +69,28 @@ def _distinct(draw: Callable[[], str], n: int) -> list[str]:
     return out
 
 
+# The user's own documents as a haystack (`longdoc eval ruler --haystack FILE|FOLDER`): their sentences, registered
+# under a name that carries a digest of them, so a sample stays a pure function of its arguments and the text.
+_DOCUMENTS: dict[str, tuple[str, ...]] = {}
+_SENTENCE_END = re.compile(r"(?<=[.!?;:])\s+")
+
+
+def document_haystack(texts: list[str]) -> str:
+    """Register the sentences of `texts` (whitespace normalised, so hard-wrapped text reads as prose) as a haystack;
+    returns its name, "documents:" and 12 hex digits of their digest, to pass as `haystack`."""
+    sentences = tuple(s for t in texts for s in _SENTENCE_END.split(" ".join(t.split())) if s)
+    if not sentences:
+        raise ValueError("the --haystack documents hold no text")
+    name = "documents:" + hashlib.sha256("\n".join(sentences).encode()).hexdigest()[:12]
+    _DOCUMENTS[name] = sentences
+    return name
+
+
 def _filler(rng: random.Random, haystack: str) -> Iterator[str]:
+    if haystack in _DOCUMENTS:  # the user's documents, in order from a random sentence, round and round
+        sentences = _DOCUMENTS[haystack]
+        start = rng.randrange(len(sentences))
+        return (" " + sentences[(start + i) % len(sentences)] for i in itertools.count())
     if haystack not in HAYSTACKS:
         raise ValueError(f"haystack must be one of {', '.join(HAYSTACKS)}, got {haystack!r}")
     # Every piece starts with whitespace, so a needle can go anywhere, the very start included.

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from longdoc.eval import metrics, runner
+from longdoc.eval import data, metrics, runner
 from longdoc.eval.prompts import Prompter
 from longdoc.eval.ruler.build import Builder, TooShort
 from longdoc.eval.ruler.generate import (
@@ -28,6 +28,7 @@ from longdoc.eval.ruler.generate import (
     MIN_LENGTH,
     TASKS,
     Sample,
+    document_haystack,
     make,
 )
 from longdoc.eval.ruler.report import write_report
@@ -65,7 +66,9 @@ def check(cfg: dict[str, Any]) -> None:
         raise ValueError(f"--lengths must be at least {MIN_LENGTH} tokens for the RULER-style tasks, got {lengths}")
     if int(cfg.get("samples") or DEFAULT_SAMPLES) < 1:
         raise ValueError(f"--samples must be >= 1, got {cfg.get('samples')}")
-    if (cfg.get("ruler_haystack") or "prose") not in HAYSTACKS:
+    if cfg.get("haystack"):
+        data.check_inputs(cfg["haystack"], "--haystack")
+    elif (cfg.get("ruler_haystack") or "prose") not in HAYSTACKS:
         raise ValueError(f"--ruler-haystack must be one of {', '.join(HAYSTACKS)}, got {cfg.get('ruler_haystack')!r}")
     b = cfg.get("batch_size") or "auto"
     if b != "auto" and (not str(b).isdigit() or int(b) < 1):
@@ -118,6 +121,8 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, cp: ContextParallel, cfg: d
     names, lengths = task_names(cfg.get("ruler_tasks")), list(cfg.get("lengths") or DEFAULT_LENGTHS)
     n, seed = int(cfg.get("samples") or DEFAULT_SAMPLES), int(cfg.get("seed", 0))
     haystack = cfg.get("ruler_haystack") or "prose"
+    if cfg.get("haystack"):  # the user's own documents (every rank reads them: samples are built on each)
+        haystack = document_haystack(data.read_texts(cfg["haystack"]))
     builder = Builder(tokenizer, chat=cfg.get("chat"))
     for length in lengths:  # every length against the model's context before any compute
         runner.check_context(model, length, f"--lengths {length} (a ruler prompt and its answer budget)")
