@@ -6,6 +6,7 @@
     from longdoc.corpus.synth import synthesize        # -> list of records (document + QA)
     from longdoc.corpus.prepare import prepare, save    # -> datasets.Dataset of token rows
     from longdoc.corpus.qa_format import qa_parts       # the QA prompt, shared with evaluation
+    from longdoc.corpus.chat import chat_row            # a conversation -> a row, loss on its assistant turns
     from longdoc.corpus.ingest import CorpusError, Fields, Skips
 
 Formats: data/README.md.

@@ -1,9 +1,11 @@
 """`longdoc data synth`, `longdoc data prepare` and `longdoc data rehearse`.
 
     longdoc data synth --domain legal --num-docs 4 --tokens 32768 --seed 0 --out legal.jsonl
+    longdoc data synth --domain legal --num-docs 8 --tokens 4096 --chat --out legal-chat.jsonl   # conversations
     longdoc data prepare legal.jsonl --task qa --target-tokens 32768 --out runs/data/legal-qa
     longdoc data prepare legal.jsonl --task qa --target-tokens 4096 --questions-per-row 4 --epochs 3 --out qa.jsonl
     longdoc data prepare notes/ --task pretrain --target-tokens 65536 --skip-bad --out notes.parquet
+    longdoc data prepare chats.jsonl --task chat --target-tokens 32768 --pack --out chats.parquet
     longdoc data rehearse --model SmolLM2-135M-Instruct --samples 64 --out runs/data/rehearsal.jsonl
 
 Heavy imports (tokenizers, datasets) happen inside the handlers so `longdoc --help` stays fast.
@@ -33,23 +35,37 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--tokenizer", default=None, help="model name or path (default: SmolLM2-135M-Instruct)")
     s.add_argument("--qa-per-kind", type=int, default=2, help="questions per kind per document (default 2)")
+    s.add_argument("--chat", action="store_true", help="write each document as a conversation instead: the "
+                   "document and its first question in a user turn, then one user/assistant turn per question "
+                   "(`data prepare --task chat`, recipe data.task: chat)")
     s.add_argument("--out", required=True, help="output .jsonl file")
     s.set_defaults(func=_synth)
 
     q = verbs.add_parser("prepare", help="tokenize documents into training rows",
-                         description="Tokenize jsonl/json/parquet/csv files, folders of .txt/.md, or hub "
-                                     "dataset ids into rows of input_ids/labels/position_ids.")
-    q.add_argument("inputs", nargs="+", help="files, folders of .txt/.md, or hub dataset ids")
+                         description="Tokenize jsonl/json/parquet/csv files, documents (.txt, .md, .pdf, .docx, "
+                                     ".html; PDF and DOCX need `pip install 'longdoc[docs]'`) and folders of them, "
+                                     "or hub dataset ids into rows of input_ids/labels/position_ids. Every file of a "
+                                     "folder is read or named in an error (with --skip-bad: in the report); a "
+                                     "scanned PDF without a text layer is an error (OCR it first, e.g. ocrmypdf).")
+    q.add_argument("inputs", nargs="+", help="data files, documents (.txt/.md/.pdf/.docx/.html) and folders of "
+                   "them, or hub dataset ids")
     q.add_argument("--out", required=True, help="a .jsonl or .parquet file, or a folder (save_to_disk)")
-    q.add_argument("--task", choices=["pretrain", "qa"], default="pretrain",
-                   help="pretrain: whole documents; qa: document + question -> answer (default pretrain)")
+    q.add_argument("--task", choices=["pretrain", "qa", "chat"], default="pretrain",
+                   help="pretrain: whole documents; qa: document + question -> answer; chat: conversations "
+                        "(messages [{role, content}] or ShareGPT conversations) in the model's chat template "
+                        "(default pretrain)")
     q.add_argument("--tokenizer", default=None, help="model name or path (default: SmolLM2-135M-Instruct)")
     q.add_argument("--target-tokens", type=cliargs.length, default=32768,
                    help="row length (default 32768, up to 1048576; 32k and 1M work too)")
     q.add_argument("--overlap", type=int, default=None, help="overlap of windows over long documents "
                    "(default: target/8)")
-    q.add_argument("--pack", action="store_true", help="pack short documents into one row (pretrain; off by "
+    q.add_argument("--pack", action="store_true", help="pack short documents into one row (pretrain, chat; off by "
                    "default; under `longdoc train` each document attends only to itself and keeps its own positions)")
+    q.add_argument("--loss-on", choices=["assistant", "all"], default="assistant", help="chat: loss on the "
+                   "assistant turns only (default) or on every token")
+    q.add_argument("--truncation", choices=["left", "right"], default="left", help="chat: a conversation longer "
+                   "than --target-tokens loses content of its non-trained turns, longest first, from their start "
+                   "(left, default) or end (right); trained assistant turns are never cut")
     q.add_argument("--no-chat-template", action="store_true", help="qa: plain-text prompt even if the "
                    "tokenizer has a chat template")
     for name, default in (("text", None), ("document", "document"), ("question", "question"),
@@ -57,8 +73,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         q.add_argument(f"--{name}-field", default=default,
                        help=f"field name (default: {default or 'first of text/document/content'})")
     q.add_argument("--split", default="train", help="split of a hub dataset (default train)")
-    q.add_argument("--skip-bad", action="store_true", help="skip bad records and report them at the end "
-                   "instead of stopping at the first")
+    q.add_argument("--skip-bad", action="store_true", help="skip bad records, questions and files (unsupported "
+                   "or unreadable files in a folder, scanned PDFs) and report them at the end instead of stopping at "
+                   "the first")
     q.add_argument("--num-proc", type=int, default=1, help="tokenizer worker processes (datasets.map)")
     q.add_argument("--cache-dir", default=None, help="cache folder (default: the datasets cache)")
     q.add_argument("--seed", type=int, default=0, help="question order and placement of QA windows")
@@ -89,7 +106,12 @@ def _synth(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"longdoc data synth: {e}", file=sys.stderr)
         return 2
-    write_jsonl(records, args.out)
+    if args.chat:
+        from longdoc.corpus.chat import qa_conversation
+
+        write_jsonl([qa_conversation(r) for r in records], args.out)
+    else:
+        write_jsonl(records, args.out)
     lengths = [r["num_tokens"] for r in records]
     kinds = sorted({q["kind"] for r in records for q in r["qa"]})
     print(f"wrote {len(records)} {args.domain} documents to {args.out} in {time.perf_counter() - t0:.1f}s: "
@@ -131,7 +153,8 @@ def _prepare(args: argparse.Namespace) -> int:
                      overlap=args.overlap, pack=args.pack, fields=fields, skips=skips, num_proc=args.num_proc,
                      cache_dir=args.cache_dir, split=args.split, seed=args.seed,
                      use_chat_template=False if args.no_chat_template else None,
-                     questions_per_row=args.questions_per_row, epochs=args.epochs)
+                     questions_per_row=args.questions_per_row, epochs=args.epochs, chat_loss=args.loss_on,
+                     truncation=args.truncation)
     except (CorpusError, ValueError) as e:
         print(f"longdoc data prepare: {e}", file=sys.stderr)
         return 2
@@ -140,6 +163,11 @@ def _prepare(args: argparse.Namespace) -> int:
     docs = len({d for ids in ds["doc_ids"] for d in ids})
     print(f"wrote {len(ds)} rows from {docs} documents to {args.out} ({kind}) in {time.perf_counter() - t0:.1f}s: "
           f"{tokens} tokens, {loss} with loss, rows of at most {max(ds['num_tokens'], default=0)} tokens")
+    if args.task == "chat":
+        from longdoc.corpus.chat import parts_summary
+
+        print(parts_summary(ds.select_columns([c for c in ds.column_names if c.endswith("_tokens") or
+                                               c == "chat_parts"]).to_dict()))
     if skips is not None:
         print(skips.summary(), file=sys.stderr if skips.total else sys.stdout)
     return 0

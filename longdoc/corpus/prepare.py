@@ -25,6 +25,10 @@ row). See data/README.md for the details.
   `epochs=E` writes E passes over every document, each with its own order and windows (the trainer
   asks for as many passes as its steps consume, see `longdoc.train.data.load_sequences`). The first
   turn of a row is exactly the evaluation prompt of its question (`qa_format.qa_turns`).
+- chat: conversations (`messages`, or ShareGPT `conversations`) rendered by the tokenizer's chat template,
+  loss on the assistant turns (`chat_loss="assistant"`, default) or on every token ("all"); a conversation
+  longer than the target loses content of its other turns, longest first, from the `truncation` side, never
+  a trained assistant turn; `pack=True` packs short conversations. See longdoc.corpus.chat.
 Tokenization runs in `datasets.map` with `num_proc` workers; results are cached under `cache_dir`
 keyed by the inputs' content, the tokenizer and every option, so a rerun loads from the cache.
 """
@@ -38,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from longdoc.corpus import tokens as tk
+from longdoc.corpus.chat import LOSS_ON, TRUNCATION, chat_rows
 from longdoc.corpus.ingest import CorpusError, Fields, Skips, read_documents
 from longdoc.corpus.qa_format import INSTRUCTION, qa_turns
 from longdoc.corpus.windows import evidence_pieces, pack_rows, pretrain_rows, qa_turns_row, segment_row
@@ -52,8 +57,8 @@ def prepare(inputs: str | Path | list, tokenizer: Any = None, *, task: str = "pr
             fields: Fields | None = None, skips: Skips | None = None, num_proc: int = 1,
             cache_dir: str | Path | None = None, split: str = "train", seed: int = 0, add_eos: bool = True,
             use_chat_template: bool | None = None, batch_size: int = 64, questions_per_row: int | None = None,
-            epochs: int = 1):
-    """Tokenized rows for `task` ("pretrain" | "qa"); bad input raises `CorpusError` unless `skips` is
+            epochs: int = 1, chat_loss: str = "assistant", truncation: str = "left"):
+    """Tokenized rows for `task` ("pretrain" | "qa" | "chat"); bad input raises `CorpusError` unless `skips` is
     given, which then counts what was left out (see `Skips.summary`)."""
     import datasets
 
@@ -62,8 +67,12 @@ def prepare(inputs: str | Path | list, tokenizer: Any = None, *, task: str = "pr
     overlap = target_tokens // 8 if overlap is None else overlap
     if not 0 <= overlap < target_tokens:
         raise ValueError(f"overlap must be in [0, target_tokens) = [0, {target_tokens}), got {overlap}")
-    if pack and task != "pretrain":
-        raise ValueError("pack=True is for task='pretrain' (a QA row already holds one document's questions)")
+    if pack and task == "qa":
+        raise ValueError("pack=True is for task='pretrain' or 'chat' (a QA row already holds one document's "
+                         "questions)")
+    if chat_loss not in LOSS_ON or truncation not in TRUNCATION:
+        raise ValueError(f"chat_loss must be one of {LOSS_ON} and truncation one of {TRUNCATION}, got "
+                         f"{chat_loss!r} and {truncation!r}")
     if questions_per_row is not None and questions_per_row < 1:
         raise ValueError(f"questions_per_row must be >= 1 (or None: all that fit), got {questions_per_row}")
     if epochs < 1:
@@ -75,7 +84,7 @@ def prepare(inputs: str | Path | list, tokenizer: Any = None, *, task: str = "pr
         raise CorpusError(str(inputs)[:200], "no usable documents" + (f" ({skips.summary()})" if skips else ""))
     options = {"task": task, "target": target_tokens, "overlap": overlap, "pack": pack, "add_eos": add_eos,
                "seed": seed, "use_chat_template": use_chat_template, "questions_per_row": questions_per_row,
-               "epochs": epochs}
+               "epochs": epochs, "chat_loss": chat_loss, "truncation": truncation}
     cache = Path(cache_dir) if cache_dir else Path(datasets.config.HF_DATASETS_CACHE) / "longdoc"
     cache.mkdir(parents=True, exist_ok=True)
     fingerprint = _fingerprint(records, tok, options)[:40]  # datasets appends shard suffixes; <= 64 chars
@@ -86,7 +95,8 @@ def prepare(inputs: str | Path | list, tokenizer: Any = None, *, task: str = "pr
                 desc=f"tokenizing ({task})")
     errors = ds["error"]
     for message in (e for e in errors if e):
-        err = CorpusError(*message.split(": ", 1), reason="evidence does not fit")
+        err = CorpusError(*message.split(": ", 1), reason="conversation does not fit" if task == "chat" else
+                          "evidence does not fit")
         if skips is None:
             raise err
         skips.add(err)
@@ -124,9 +134,12 @@ def _fingerprint(records: list[dict], tok: Any, options: dict) -> str:
 
 def _rows(batch: dict[str, list], tokenizer: Any, task: str, target: int, overlap: int, pack: bool,
           add_eos: bool, seed: int, use_chat_template: bool | None, questions_per_row: int | None,
-          epochs: int) -> dict[str, list]:
+          epochs: int, chat_loss: str, truncation: str) -> dict[str, list]:
     rows: list[dict[str, Any]] = []
-    if task == "pretrain":
+    if task == "chat":
+        rows = chat_rows(tokenizer, batch["messages"], batch["doc_id"], batch["source"], target, chat_loss,
+                         truncation, pack)
+    elif task == "pretrain":
         eos = tokenizer.eos_token_id if add_eos else None
         encoded = tk.encode(tokenizer, batch["text"], special=True)["input_ids"]  # BOS where the model uses one
         for ids, doc_id, source in zip(encoded, batch["doc_id"], batch["source"]):

@@ -45,8 +45,9 @@ def pretrain_rows(ids: list[int], target: int, overlap: int, doc_id: str, source
     return rows
 
 
-def pack_rows(rows: list[dict[str, Any]], target: int) -> list[dict[str, Any]]:
-    """Greedily concatenate rows shorter than `target` (in order) into rows of at most `target` tokens."""
+def pack_rows(rows: list[dict[str, Any]], target: int, extend: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """Greedily concatenate rows shorter than `target` (in order) into rows of at most `target` tokens;
+    the per-document list columns (doc_ids, sources, token_starts and those named in `extend`) concatenate."""
     out: list[dict[str, Any]] = []
     cur: dict[str, Any] | None = None
     for row in rows:
@@ -58,7 +59,7 @@ def pack_rows(rows: list[dict[str, Any]], target: int) -> list[dict[str, Any]]:
             cur["labels"] += [IGNORE] + row["labels"][1:]
             cur["position_ids"] += row["position_ids"]
             cur["cu_seqlens"].append(base + n)
-            for key in ("doc_ids", "sources", "token_starts"):
+            for key in ("doc_ids", "sources", "token_starts") + extend:
                 cur[key] += row[key]
             continue
         if cur is not None:

@@ -23,7 +23,8 @@ def synth_documents(domain: str, tokens: int, count: int, seed: int, tokenizer: 
 
 def read_texts(paths: list[str], limit: int | None = None) -> list[str]:
     """The document texts of `paths` (the first `limit` of each input), read by the reader `longdoc data
-    prepare` uses: jsonl/json/parquet/csv with a text/document/content field, folders of .txt/.md, hub ids."""
+    prepare` uses: jsonl/json/parquet/csv with a text/document/content field, .txt/.md/.pdf/.docx/.html files
+    and folders of them, hub ids."""
     from longdoc.corpus.ingest import read_documents
 
     texts = []
@@ -33,15 +34,19 @@ def read_texts(paths: list[str], limit: int | None = None) -> list[str]:
     return texts
 
 
-def check_inputs(paths: list[str], flag: str, limit: int | None = 1, task: str = "pretrain") -> None:
-    """Fail fast, before ranks start: a missing path by name, a bad record with its file:line and the fix."""
+def check_inputs(paths: list[str], flag: str, limit: int | None = 1, task: str = "pretrain", skips: Any = None
+                 ) -> None:
+    """Fail fast, before ranks start: a missing path by name, a bad record with its file:line and the fix.
+    With `skips` (a `longdoc.corpus.ingest.Skips`: --skip-bad) bad records are passed over, and an input with
+    no usable record is the error."""
     from pathlib import Path
 
     from longdoc.corpus.ingest import looks_like_path, read_documents
 
     for path in paths:
         if not Path(path).exists() and looks_like_path(str(path)):
-            raise FileNotFoundError(f"{flag} {path} does not exist (give a jsonl/json/parquet/csv file, a folder of "
-                                    f".txt/.md documents, or a hub dataset id)")
-        for _ in itertools.islice(read_documents([path], task=task), limit):
-            pass
+            raise FileNotFoundError(f"{flag} {path} does not exist (give a jsonl/json/parquet/csv file, a document "
+                                    f"(.txt/.md/.pdf/.docx/.html) or a folder of them, or a hub dataset id)")
+        read = sum(1 for _ in itertools.islice(read_documents([path], task=task, skips=skips), limit))
+        if skips is not None and not read:
+            raise ValueError(f"{flag} {path}: no usable record ({skips.summary()})")

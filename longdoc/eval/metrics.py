@@ -1,7 +1,9 @@
 """Answer metrics as in SQuAD / LongBench, and breakdowns of per-question results.
 
 Normalization (SQuAD's `normalize_answer`, which LongBench's `qa_f1_score` also uses): lowercase,
-drop punctuation, drop the articles "a", "an", "the", collapse whitespace. Exact match compares the
+drop punctuation, drop the articles "a", "an", "the", collapse whitespace (any run of whitespace, line breaks
+of hard-wrapped text included, is one space; zero-width spaces separate words, soft hyphens and other invisible
+format characters are dropped, as text copied from PDFs holds them). Exact match compares the
 normalized strings; token F1 is the harmonic mean of precision and recall of the normalized
 whitespace tokens (multiset overlap). With several gold answers (an answer and its aliases) the best
 score over them counts.
@@ -18,11 +20,14 @@ from typing import Any
 
 _PUNCT = set(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
+# zero-width space -> a word break; soft hyphen, zero-width (non-)joiner, word joiner, BOM -> nothing
+_INVISIBLE = str.maketrans({"\u200b": " ", "\u00ad": None, "\u200c": None, "\u200d": None, "\u2060": None,
+                            "\ufeff": None})
 
 
 def normalize_answer(text: str) -> str:
     """Lowercase, strip punctuation and articles, collapse whitespace."""
-    text = text.lower()
+    text = text.translate(_INVISIBLE).lower()
     text = "".join(ch for ch in text if ch not in _PUNCT)
     text = _ARTICLES.sub(" ", text)
     return " ".join(text.split())

@@ -3,9 +3,12 @@ and teacher-forced answer scoring; metrics as in SQuAD / LongBench, broken down 
 document length, evidence depth and domain.
 
     longdoc eval qa --model SmolLM2-135M-Instruct --data legal.jsonl --cp 2
+    longdoc eval qa --model M --data my_qa.jsonl --skip-bad     # leave out bad records / questions, report them
 
 Records are `longdoc data synth` lines: {id, domain, num_tokens, document, qa: [{id, kind, question,
-answer, aliases, depth, ...}]}; any jsonl with "document" (or "text") and "qa" works.
+answer, aliases, depth, ...}]}; any jsonl with "document" (or "text") and "qa" works. Answers and evidence
+are found in the document up to case and whitespace (hard-wrapped text); with --skip-bad a record or question
+that cannot be used is left out and counted, and the run reports what it skipped (as `data prepare` does).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 
 import torch
 
+from longdoc.corpus.ingest import Skips, read_documents
 from longdoc.eval import data, metrics, plots, report, runner
 from longdoc.eval.prompts import Prompter
 from longdoc.eval.scoring import answer_score
@@ -26,14 +30,13 @@ from longdoc.parallel.api import ContextParallel
 _KEEP = ("domain", "num_tokens", "aliases", "depth", "template")
 
 
-def read_records(path: str | Path, limit_docs: int | None = None, limit_questions: int | None = None
-                 ) -> list[dict[str, Any]]:
+def read_records(path: str | Path, limit_docs: int | None = None, limit_questions: int | None = None,
+                 skips: Skips | None = None) -> list[dict[str, Any]]:
     """QA records of one input, read by the reader `longdoc data prepare` uses (longdoc.corpus.ingest):
-    {document, qa: [...]} records, flat {document, question, answer} records, in any format it reads."""
-    from longdoc.corpus.ingest import read_documents
-
+    {document, qa: [...]} records, flat {document, question, answer} records, in any format it reads.
+    Bad input raises `CorpusError`, or with `skips` is left out and counted there."""
     out = []
-    docs = read_documents([path], task="qa", keep=_KEEP)
+    docs = read_documents([path], task="qa", keep=_KEEP, skips=skips)
     for rec in docs if limit_docs is None else itertools.islice(docs, limit_docs):
         # depth: the record's own, else where the answer's evidence starts (as prepare finds it)
         qas = [{**q, "id": q["qa_id"], "kind": q["kind"] or "-",
@@ -41,7 +44,7 @@ def read_records(path: str | Path, limit_docs: int | None = None, limit_question
                 else q["spans"][0][0] / max(len(rec["document"]), 1)} for q in rec["qas"][:limit_questions]]
         out.append({**rec, "id": rec["doc_id"], "qa": qas})
     if not out:
-        raise ValueError(f"{path} holds no QA records")
+        raise ValueError(f"{path} holds no QA records" + (f" ({skips.summary()})" if skips and skips.total else ""))
     return out
 
 
@@ -142,6 +145,7 @@ def write_report(run_dir: str | Path, results: dict[str, Any]) -> Path:
           "EM / F1: SQuAD normalization (lowercase, no punctuation or articles); contains: the gold answer occurs "
           "in the prediction; NLL/token and TF-EM: teacher-forced answer negative log-likelihood and "
           "exact match by argmax.\n",
+          *([f"Input: {written['skipped']['summary']} (--skip-bad).\n"] if written.get("skipped") else []),
           "## Overall\n", breakdown_table({"all": s["overall"]}, "questions"), "",
           "## By question kind\n", breakdown_table(s["by_kind"], "kind"), "",
           "## By document length\n", breakdown_table(s["by_length"], "length"), "",
@@ -162,15 +166,20 @@ def _examples(rows: Iterable[dict[str, Any]], n: int = 12) -> str:
 
 def task(model: torch.nn.Module, tokenizer: Any, cp: ContextParallel, cfg: dict[str, Any]) -> dict[str, Any]:
     """The `longdoc eval qa` task (see longdoc.eval.runner)."""
-    records = [r for path in cfg["data"] for r in read_records(path, cfg.get("limit_docs"), cfg.get("limit_questions"))]
+    skips = Skips() if cfg.get("skip_bad") else None
+    records = [r for path in cfg["data"]
+               for r in read_records(path, cfg.get("limit_docs"), cfg.get("limit_questions"), skips)]
     rows = evaluate(model, tokenizer, records, cp, max_new_tokens=cfg.get("max_new_tokens", 64),
                     strategy=cfg.get("strategy", "ring"), chat=cfg.get("chat"))
-    return {"task": "qa", "data": [str(p) for p in cfg["data"]], "documents": len(records),
-            "summary": summarize(rows), "rows": rows}
+    result = {"task": "qa", "data": [str(p) for p in cfg["data"]], "documents": len(records),
+              "summary": summarize(rows), "rows": rows}
+    if skips is not None:
+        result["skipped"] = {"total": skips.total, "by_reason": dict(skips.counts), "summary": skips.summary()}
+    return result
 
 
 def check(cfg: dict[str, Any]) -> None:
     """Fail fast, before ranks start, on missing or malformed data files."""
     if not cfg.get("data"):
         raise ValueError("qa needs --data FILE.jsonl (make one with `longdoc data synth --domain legal ...`)")
-    data.check_inputs(cfg["data"], "--data", task="qa")
+    data.check_inputs(cfg["data"], "--data", task="qa", skips=Skips() if cfg.get("skip_bad") else None)

@@ -104,7 +104,8 @@ def headline(results: dict) -> str:
         o = results["summary"]["overall"]
         parts = [f"{label} {fmt(o.get(k), 3)}" for k, label in (("em", "EM"), ("f1", "F1"), ("contains", "contains"),
                                                               ("nll_per_token", "answer NLL/token")) if k in o]
-        return f"qa: {', '.join(parts)} over {o.get('n', '?')} questions"
+        skipped = f"; {results['skipped']['summary']}" if results.get("skipped") else ""  # --skip-bad
+        return f"qa: {', '.join(parts)} over {o.get('n', '?')} questions{skipped}"
     if "mean_accuracy" in results:  # needle
         return f"needle: mean accuracy {fmt(results['mean_accuracy'], 3)} over {len(results.get('cells', []))} cells"
     if task == "ruler":
@@ -115,4 +116,8 @@ def headline(results: dict) -> str:
         return (f"position-loss: mean loss {fmt(results.get('overall'))} nats per token over "
                 f"{results.get('documents', '?')} document(s) of {results.get('length', '?')} tokens; first bucket "
                 f"{fmt(results.get('first_bucket'))}, last {fmt(results.get('last_bucket'))}")
+    if task == "chat-loss":
+        skipped = f"; {len(results['skipped'])} did not fit --length" if results.get("skipped") else ""
+        return (f"chat-loss: mean loss {fmt(results.get('overall'))} nats per {results.get('loss_on')} token over "
+                f"{results.get('conversations')} conversation(s), {results.get('tokens')} tokens{skipped}")
     return f"{task}: done"

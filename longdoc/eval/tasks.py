@@ -17,7 +17,7 @@ from typing import Any
 from longdoc.eval import report, runner
 
 TASKS = {"qa": "longdoc.eval.qa", "needle": "longdoc.eval.needle", "position-loss": "longdoc.eval.position",
-         "ruler": "longdoc.eval.ruler.run"}
+         "ruler": "longdoc.eval.ruler.run", "chat-loss": "longdoc.eval.chat_loss"}
 
 
 def module(name: str):

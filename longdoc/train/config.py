@@ -30,7 +30,9 @@ from longdoc.train.recipe_parse import set_dotted as _set_dotted
 Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = typing.get_args(Dtype)
 OnNonfinite = Literal["skip", "abort"]
-Task = Literal["qa", "pretrain"]
+Task = Literal["qa", "pretrain", "chat"]
+ChatLoss = Literal["assistant", "all"]
+Truncation = Literal["left", "right"]
 # data.mix sources: QA rows, LM loss on the documents themselves, plain text the user points to (replay),
 # and text the base model generates itself (self-synthesised rehearsal; longdoc.corpus.rehearsal)
 MixKind = Literal["qa", "documents", "text", "rehearsal"]
@@ -138,12 +140,15 @@ class DataConfig:
     path: str = ""  # documents (jsonl/json/parquet/csv/text folder/hub id), `longdoc data prepare` rows, "random"
     seq_len: Tokens = 4096  # tokens per training sequence (window), before CP sharding
     task: Task = "qa"  # for raw documents: "qa" (document + question -> answer, loss on answers) | "pretrain"
+    #   | "chat" (conversations: messages [{role, content}] or ShareGPT, in the model's chat template)
+    chat_loss: ChatLoss = "assistant"  # chat: loss on the assistant turns only, or on "all" tokens
+    truncation: Truncation = "left"  # chat: an over-long conversation loses its longest non-trained turn's start
     text_field: str | None = None  # pretrain: the documents' text field; null picks text/document/content
     max_sequences: int | None = None  # use only the first N windows (quick runs)
     questions_per_row: int | None = None  # qa: question/answer turns per row; null = all of a document's that fit
     shuffle: bool = True
     random_size: int = 64  # number of sequences when path == "random" (benchmarks, tests)
-    pack: bool = False  # pretrain from raw documents: pack short documents into rows of seq_len
+    pack: bool = False  # pretrain/chat from raw documents: pack short documents (conversations) into rows of seq_len
     # several sources with weights instead of data.path (see MixSource); data.seq_len and shuffle apply to all
     mix: list[MixSource] = field(default_factory=list)
 
@@ -152,7 +157,12 @@ class DataConfig:
                "`longdoc data synth --domain legal`), 'random' for random tokens, or give data.mix")
         _check(not (self.path and self.mix), "data.mix", "cannot be combined with data.path: put that path in the "
                "mix as a source ({source: qa, path: ...})")
-        _check(self.task in typing.get_args(Task), "data.task", f"must be 'qa' or 'pretrain', got {self.task!r}")
+        _check(self.task in typing.get_args(Task), "data.task", f"must be one of {typing.get_args(Task)}, got "
+               f"{self.task!r}")
+        _check(self.chat_loss in typing.get_args(ChatLoss), "data.chat_loss",
+               f"must be one of {typing.get_args(ChatLoss)}, got {self.chat_loss!r}")
+        _check(self.truncation in typing.get_args(Truncation), "data.truncation",
+               f"must be one of {typing.get_args(Truncation)}, got {self.truncation!r}")
         _check(self.seq_len >= 2, "data.seq_len", f"must be at least 2 tokens, got {self.seq_len}")
         _check(self.max_sequences is None or self.max_sequences > 0, "data.max_sequences", "must be positive")
         _check(self.questions_per_row is None or self.questions_per_row > 0, "data.questions_per_row",
@@ -192,6 +202,13 @@ class TrainConfig:
     micro_batch_size: int = 1  # sequences per forward pass per replica; accumulation makes up the rest
     mixed_precision: str = "auto"  # "auto" (bf16 on GPUs and bf16-native CPUs, else none) | "no" | "bf16"
     activation_checkpointing: bool = True
+    # keep each checkpointed layer's input in (pinned, on GPU) host memory, fetched back one layer ahead of its
+    # recompute on a side stream (longdoc.hf.offload); needs activation_checkpointing
+    offload_checkpoints: bool = False
+    # run every MLP over tiles of mlp_tile_tokens local tokens with recompute, so no (tokens x intermediate) tensor
+    # of the full local length exists (longdoc.hf.tiled_mlp); null tile: the model's hidden size (ALST's choice)
+    tiled_mlp: bool = False
+    mlp_tile_tokens: Tokens | None = None
     # CE over this many loss tokens at a time, so logits never exist in full; null (default): sized from the
     # vocabulary so the chunk's fp32 buffers stay under 256 MiB (longdoc.budgets: 448 tokens at SmolLM2's 49k)
     loss_chunk_tokens: Tokens | None = None
@@ -225,6 +242,10 @@ class TrainConfig:
         _check(self.batch_size % self.micro_batch_size == 0, "train.batch_size",
                f"must be a multiple of train.micro_batch_size ({self.micro_batch_size}), got {self.batch_size}")
         _check(self.mixed_precision in MIXED, "train.mixed_precision", f"must be one of {MIXED}")
+        _check(self.activation_checkpointing or not self.offload_checkpoints, "train.offload_checkpoints",
+               "offloads the layer checkpoints, so it needs train.activation_checkpointing=true")
+        _check(self.mlp_tile_tokens is None or self.mlp_tile_tokens > 0, "train.mlp_tile_tokens",
+               "must be positive, or null for the model's hidden size")
         _check(self.loss_chunk_tokens is None or self.loss_chunk_tokens > 0, "train.loss_chunk_tokens",
                "must be positive, or null to size it from the vocabulary")
         # repeated from the Literal types for a TrainConfig built in code rather than from a recipe
@@ -295,7 +316,9 @@ class Recipe:
     cp_size: int = 1  # context-parallel group size; world = dp x cp
     # train.strategy=usp only: ranks per Ulysses group (a divisor of cp_size); cp = ring_size x ulysses_size
     ulysses_size: int | None = None
-    resume: bool = False  # continue from the latest complete checkpoint in OUTPUT/checkpoints
+    # true: continue from the latest complete checkpoint in OUTPUT/checkpoints, refused when there is none (a typo in
+    # output_dir must not restart a long run); "auto": continue if there is one, else start at step 0; false: start
+    resume: bool | Literal["auto"] = False
     overwrite: bool = False  # start over in an output_dir that holds another run's checkpoints (deletes them)
     seed: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -316,7 +339,10 @@ class Recipe:
                f"(ulysses_size one of {divisors}) or neither; got {self.ulysses_size} with {self.train.strategy!r}")
         _check(self.ulysses_size is None or self.ulysses_size in divisors, "ulysses_size",
                f"must be a divisor of cp_size={self.cp_size} ({divisors}), got {self.ulysses_size!r}")
-        _check(not (self.resume and self.overwrite), "overwrite", "cannot be combined with resume=true")
+        _check(isinstance(self.resume, bool) or self.resume == "auto", "resume",
+               f"must be true, false or 'auto', got {self.resume!r}")
+        _check(not (self.resume and self.overwrite), "overwrite",
+               f"cannot be combined with resume={'auto' if self.resume == 'auto' else 'true'}")
         _check(self.lora.enabled or not any(m.kl_weight for m in self.data.mix), "data.mix.kl_weight",
                "needs lora.enabled: the frozen base is the model with its adapters disabled (no second copy of the "
                "weights); for full fine-tuning use a rehearsal or text source instead")

@@ -242,7 +242,8 @@ def _prepare(cfg: DataConfig, tokenizer, seed: int, rows_needed: int | None = No
 
     def run(epochs: int):
         return prepare(cfg.path, tokenizer, task=cfg.task, target_tokens=cfg.seq_len, seed=seed, pack=cfg.pack,
-                       fields=Fields(text=cfg.text_field), questions_per_row=cfg.questions_per_row, epochs=epochs)
+                       fields=Fields(text=cfg.text_field), questions_per_row=cfg.questions_per_row, epochs=epochs,
+                       chat_loss=cfg.chat_loss, truncation=cfg.truncation)
 
     try:
         ds = run(1)
