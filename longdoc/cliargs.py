@@ -49,10 +49,33 @@ def did_you_mean(value: Any, choices: Iterable[Any]) -> str:
 
 
 class Parser(argparse.ArgumentParser):
-    """ArgumentParser whose choice errors suggest the nearest choice; `add_subparsers` makes sub-parsers of
-    the same class, so one instance at the top covers every verb and option."""
+    """ArgumentParser whose choice errors suggest the nearest choice and whose options may come anywhere among
+    the positionals; `add_subparsers` makes sub-parsers of the same class, so one instance at the top covers
+    every verb and option."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        # `longdoc train r.yaml --nproc 2 train.steps=1`: plain argparse fills a list positional (the key=value
+        # overrides, `data prepare` inputs, `bench` sections) from the first run of positionals only and calls the
+        # rest unrecognized. A verb's own parser (no sub-commands below it) parses intermixed, as
+        # parse_intermixed_args does; argparse calls parse_known_args again from inside it, hence the flag.
+        if getattr(self, "_intermixing", False) or not _can_intermix(self):
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
 
     def _check_value(self, action: argparse.Action, value: Any) -> None:
         # argparse's own hook for `choices`; overriding it covers verbs (sub-commands) and options alike.
         if action.choices is not None and value not in action.choices:
             raise argparse.ArgumentError(action, did_you_mean(value, action.choices))
+
+
+def _can_intermix(parser: argparse.ArgumentParser) -> bool:
+    """Whether argparse's intermixed parsing applies: positionals, none of them sub-commands or a remainder, and
+    none in a mutually exclusive group (parse_intermixed_args refuses those)."""
+    positionals = [a for a in parser._actions if not a.option_strings]
+    grouped = {id(a) for g in parser._mutually_exclusive_groups for a in g._group_actions}
+    return bool(positionals) and all(a.nargs not in (argparse.PARSER, argparse.REMAINDER) and id(a) not in grouped
+                                     for a in positionals)

@@ -1,18 +1,19 @@
-"""`longdoc eval qa | needle | position-loss | ruler | compare`: long-document evaluation on the CP machinery.
+"""`longdoc eval qa | needle | position-loss | chat-loss | ruler | compare`: long-document evaluation under CP.
 
     longdoc eval qa --model SmolLM2-135M-Instruct --data legal.jsonl medical.jsonl --cp 2
     longdoc eval needle --model runs/demo/final --domain legal --lengths 1024,2048,4096 --cp 2
     longdoc eval needle --model M --haystack my_contracts/ --lengths 4k,8k --cp 2      # your own documents
     longdoc eval position-loss --model runs/demo/final --data legal.jsonl --length 4096 --cp 2
+    longdoc eval chat-loss --model runs/chat/final --data held-out-chats.jsonl --length 4k --cp 2   # chat data
     longdoc eval ruler --model runs/demo/final --lengths 2k,4k,8k --samples 100 --cp 2   # RULER-style suite
     longdoc eval qa --model SmolLM2-135M-Instruct --data long.jsonl --rope-type yarn --rope-factor 2  # past 8k
     longdoc eval compare runs/eval/qa-base runs/eval/qa-tuned           # two run folders, or two models:
     longdoc eval compare SmolLM2-135M-Instruct runs/demo/final --names base tuned --data qa.jsonl --cp 2
     longdoc eval compare SmolLM2-135M-Instruct runs/demo/final --tasks ruler --lengths 2k,4k,8k --cp 2
 
---data / --haystack read every format `longdoc data prepare` reads (jsonl/json/parquet/csv, folders of
-.txt/.md, hub ids). A prompt longer than the model's context is refused before any compute; lengths take
-k/M suffixes (4k = 4096).
+--data / --haystack read every format `longdoc data prepare` reads (jsonl/json/parquet/csv, .txt/.md/.pdf/
+.docx/.html files and folders of them, hub ids). A prompt longer than the model's context is refused before
+any compute; lengths take k/M suffixes (4k = 4096). `eval qa --skip-bad` leaves out bad records and reports them.
 
 --cp N on one machine spawns N local gloo ranks. Under a launcher (`accelerate launch --multi_gpu
 --num_processes N -m longdoc eval ...` or torchrun) every process is one rank and --cp must equal N.
@@ -64,12 +65,17 @@ def _common(p: argparse.ArgumentParser, model: bool = True) -> None:
 def _qa_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--data", nargs="+", required=required,
                    help="QA documents: `longdoc data synth` jsonl, or any file `longdoc data prepare --task qa` reads "
-                        "({document, qa: [...]} or flat {document, question, answer} records)")
+                        "({document, qa: [...]} or flat {document, question, answer} records; answers are found in "
+                        "the document up to case and whitespace)")
     p.add_argument("--max-new-tokens", type=cliargs.length, default=64, help="answer length cap (default: %(default)s)")
     p.add_argument("--limit-docs", type=int, default=None, help="first N documents per file")
     p.add_argument("--limit-questions", type=int, default=None, help="first N questions per document")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="use the chat template (default: when the tokenizer has one)")
+    p.add_argument("--skip-bad", action="store_true",
+                   help="leave out bad --data records and questions (an answer not found in its document, an empty "
+                        "document, an unreadable file) and report them at the end, as `longdoc data prepare "
+                        "--skip-bad` does, instead of stopping at the first")
 
 
 def _needle_args(p: argparse.ArgumentParser) -> None:
@@ -79,8 +85,9 @@ def _needle_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths in [0, 1]")
     p.add_argument("--repeats", type=int, default=1, help="needles per cell (different values and haystacks)")
     p.add_argument("--haystack", nargs="+", default=None, metavar="FILE|FOLDER",
-                   help="your own documents as the haystack (any format `longdoc data prepare` reads: text folders, "
-                        "jsonl/json/parquet/csv); default: generated --domain documents")
+                   help="your own documents as the haystack (any format `longdoc data prepare` reads: .txt/.md/.pdf/"
+                        ".docx/.html files and folders of them, jsonl/json/parquet/csv); default: generated --domain "
+                        "documents")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -93,12 +100,16 @@ def _ruler_args(p: argparse.ArgumentParser, alone: bool) -> None:
         p.add_argument("--seed", type=int, default=0, help="the samples' seed (default: %(default)s)")
         p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                        help="use the chat template (default: when the tokenizer has one)")
+        p.add_argument("--haystack", nargs="+", default=None, metavar="FILE|FOLDER",
+                       help="ruler: your own documents as the needle tasks' filler (any format `longdoc data "
+                            "prepare` reads), instead of --ruler-haystack")
     p.add_argument("--samples", type=int, default=generate.DEFAULT_SAMPLES,
                    help="ruler: samples per task and length (default: %(default)s)")
     p.add_argument("--ruler-tasks", default="all",
                    help=f"ruler: comma-separated subset of {', '.join(generate.TASKS)} (default: all)")
     p.add_argument("--ruler-haystack", default="prose", choices=generate.HAYSTACKS,
-                   help="ruler: the needle tasks' filler, generated prose or RULER's repeated noise (default: prose)")
+                   help="ruler: the needle tasks' filler, generated prose or RULER's repeated noise (default: prose; "
+                        "--haystack FILE|FOLDER: your own documents)")
     p.add_argument("--batch-size", default="auto",
                    help=f"ruler: prompts per forward; auto = {generate.BATCH_TOKENS} // length, 1 to 16 "
                         "(default: auto)")
@@ -110,8 +121,8 @@ def _position_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--buckets", type=int, default=16, help="position buckets (default: %(default)s)")
     p.add_argument("--num-docs", type=int, default=4, help="documents to generate when --pl-data is not given")
     p.add_argument("--pl-data", nargs="+", default=None, dest="pl_data",
-                   help="documents: jsonl/json/parquet/csv with text/document/content, or a folder of .txt/.md "
-                        "(default: generated --domain documents)")
+                   help="documents: jsonl/json/parquet/csv with text/document/content, or .txt/.md/.pdf/.docx/.html "
+                        "files or a folder of them (default: generated --domain documents)")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -134,7 +145,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = sub.add_parser("position-loss", help="mean token loss by position over long documents, curve PNG")
     _common(p)
     p.add_argument("--data", nargs="+", default=None, dest="pl_data",
-                   help="documents: jsonl/json/parquet/csv with text/document/content, or a folder of .txt/.md")
+                   help="documents: jsonl/json/parquet/csv with text/document/content, or .txt/.md/.pdf/.docx/.html "
+                        "files or a folder of them")
     p.add_argument("--domain", default="legal", choices=("legal", "medical"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--length", type=cliargs.length, default=None,
@@ -144,6 +156,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-docs", type=int, default=4, help="documents to generate when --data is not given")
     p.add_argument("--limit-docs", type=int, default=None, help="first N documents per --data file")
     p.set_defaults(func=_run_task, task="position-loss")
+
+    p = sub.add_parser("chat-loss", help="held-out chat loss: mean loss per assistant token of conversations")
+    _common(p)
+    p.add_argument("--data", nargs="+", required=True, dest="chat_data",
+                   help="conversations: jsonl/json/parquet with messages [{role, content}] or ShareGPT conversations")
+    p.add_argument("--length", type=cliargs.length, default=32768,
+                   help="row length: longer conversations are cut as `data prepare --task chat` cuts them "
+                        "(default: %(default)s)")
+    p.add_argument("--loss-on", choices=["assistant", "all"], default="assistant",
+                   help="tokens the loss averages (default: %(default)s)")
+    p.add_argument("--truncation", choices=["left", "right"], default="left", help="as data prepare (default: left)")
+    p.add_argument("--limit-docs", type=int, default=None, help="first N conversations per --data file")
+    p.set_defaults(func=_run_task, task="chat-loss")
 
     p = sub.add_parser("ruler", help="RULER-style suite: 8 synthetic long-context tasks x lengths, score grid, heatmap")
     _common(p)
@@ -183,10 +208,32 @@ def config(args: argparse.Namespace) -> dict[str, Any]:
     return cfg
 
 
+def check_model(cfg: dict[str, Any]) -> None:
+    """Before any rank starts or any weights load: the model name resolves (from its config alone), and the lengths
+    asked for fit its context (the ranks check every prompt again, exactly, once tokenized)."""
+    from longdoc.train.config import ModelConfig
+    from longdoc.train.modeling import check_context
+    from longdoc.train.preflight import model_context
+
+    mcfg = ModelConfig(name=cfg["model"], rope_type=cfg.get("rope_type"),
+                       rope_factor=float(cfg.get("rope_factor") or 1.0))
+    limit = model_context(mcfg)
+    task, lengths, new = cfg.get("task"), cfg.get("lengths") or [], int(cfg.get("max_new_tokens") or 0)
+    asked = {"needle": (max(lengths, default=0) + new, f"--lengths {max(lengths, default=0)} plus --max-new-tokens "
+                                                       f"{new}"),
+             "ruler": (max(lengths, default=0), f"--lengths {max(lengths, default=0)}"),
+             "position-loss": (int(cfg.get("length") or 0), f"--length {cfg.get('length')}")}.get(task)
+    if asked and asked[0]:
+        extend = "--rope-type yarn --rope-factor {factor}" if mcfg.rope_type is None else "a larger --rope-factor"
+        check_context(asked[0], limit, what=asked[1], extend=extend, shorten="ask for shorter lengths")
+
+
 def _run_task(args: argparse.Namespace) -> int:
     from longdoc.eval import tasks
 
-    path = tasks.run_and_report(args.task, config(args))
+    cfg = config(args)
+    check_model(cfg)
+    path = tasks.run_and_report(args.task, cfg)
     if path is not None:
         from longdoc.eval import report
 

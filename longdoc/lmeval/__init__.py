@@ -2,6 +2,8 @@
 
     python -m longdoc.lmeval --model longdoc --model_args pretrained=SmolLM2-135M-Instruct --device cpu \\
         --tasks my_task --include_path my_tasks/                                    # one process, cp=1
+    python -m longdoc.lmeval --model longdoc --model_args pretrained=runs/demo/final,cp=2 --device cpu \\
+        --tasks my_task --include_path my_tasks/              # no launcher, no CUDA: starts its 2 CPU ranks itself
     torchrun --nproc_per_node 2 -m longdoc.lmeval --model longdoc --device cpu \\
         --model_args pretrained=runs/demo/final,cp=2 --tasks my_task --include_path my_tasks/ --output_path out/
     accelerate launch --multi_gpu --num_processes 2 -m longdoc.lmeval --model longdoc --model_args ...,cp=2 ...
@@ -15,5 +17,5 @@ plugins from entry points; lm-eval 0.4.13 does not yet, hence the module. From P
     lm_eval.simple_evaluate(model="longdoc", model_args="pretrained=tiny:llama", tasks=[...])
 
     model.py     LongDocLM: loglikelihood, loglikelihood_rolling, generate_until with CP prefill and decoding
-    __main__.py  the command line
+    cli.py       the command line: checks in the parent, local ranks for cp=N without a launcher
 """

@@ -77,6 +77,22 @@ def latest(root: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
+def starting_point(root: Path, resume: bool | str, overwrite: bool = False) -> Path | None:
+    """The checkpoint a run continues from, or None to start at step 0; refused, before anything starts, where the
+    folder and `resume` disagree. resume=true needs a checkpoint (as transformers' Trainer does: a typo in
+    output_dir must not restart a long run from step 0); resume="auto" takes one if there is one; resume=false
+    (without overwrite) refuses a folder holding another run's checkpoints."""
+    found = latest(root)
+    if resume is True and found is None:
+        raise CheckpointError(f"resume=true but output_dir {root.parent} holds no complete checkpoint to continue "
+                              f"from (no {root.name}/step-*; is it the run's folder?); pass resume=auto to continue "
+                              f"when there is one and start at step 0 when there is none")
+    if not resume and not overwrite and found is not None:
+        raise CheckpointError(f"output_dir {root.parent} already holds checkpoints of a run; continue it with "
+                              f"resume=true, start over with overwrite=true, or choose a fresh output_dir")
+    return found if resume else None
+
+
 def sweep(root: Path) -> None:
     """Remove leftovers of interrupted writes/deletes (rank 0, at start, before anyone writes)."""
     if root.is_dir():

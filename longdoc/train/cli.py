@@ -4,6 +4,11 @@
     longdoc train recipes/cpu-demo.yaml                                  # cp_size=2: starts 2 local CPU ranks
     accelerate launch --config_file recipes/accelerate/cpu-2proc.yaml -m longdoc train recipes/cpu-demo.yaml
     longdoc train recipes/cpu-demo.yaml --print                          # the effective recipe, then exit
+    longdoc train recipes/cpu-demo.yaml --nproc 2 train.steps=8 resume=auto   # continue if there is a checkpoint
+
+Options may come anywhere among the overrides. resume=true continues from the newest checkpoint in output_dir
+and refuses one without any; resume=auto starts at step 0 there instead. The recipe, output_dir against resume,
+the model name and context and the data paths are checked here, before any rank starts (longdoc.train.preflight).
 
 Without a launcher on a machine without CUDA, a recipe with cp_size > 1 starts its ranks itself (longdoc.spawn:
 local gloo processes, as `longdoc verify` and `eval --cp N` do); `--nproc N` starts N (dp = N / cp_size). Under
@@ -31,7 +36,9 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("recipe", help="recipe YAML (recipes/*.yaml)")
     p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="recipe overrides, e.g. cp_size=2 resume=true data.seq_len=8k (token counts: 8k = 8192)")
+                   help="recipe overrides, e.g. cp_size=2 data.seq_len=8k (token counts: 8k = 8192) resume=true "
+                        "(continue the run in output_dir; refused when it has no checkpoint) or resume=auto "
+                        "(continue if it has one, else start at step 0); options may come anywhere among them")
     p.add_argument("--print", dest="print_only", action="store_true", help="print the effective recipe and exit")
     p.add_argument("--nproc", type=int, default=None,
                    help="local CPU processes to start when no launcher did (default: cp_size; a multiple of it)")
@@ -48,7 +55,9 @@ def _run(args: argparse.Namespace) -> int:
         print(yaml.safe_dump(recipe.to_dict(), sort_keys=False), end="")
         return 0
     from longdoc.launch import launched_world
+    from longdoc.train.preflight import check_recipe
 
+    check_recipe(recipe)  # model, context, data paths, resume: before any rank starts or any weights load
     nproc = args.nproc if args.nproc is not None else recipe.cp_size
     if launched_world().launched or nproc == 1:
         if args.nproc not in (None, 1) and launched_world().launched:

@@ -161,10 +161,8 @@ def train(recipe: Recipe, *, on_step: Callable[[StepInfo], None] | None = None) 
     out = Path(recipe.output_dir)
     ck_root = out / "checkpoints"
     _check_output(out)
-    resume_dir = checkpoint.latest(ck_root) if recipe.resume else None
-    if not (recipe.resume or recipe.overwrite) and checkpoint.complete_checkpoints(ck_root):
-        raise RecipeError(f"output_dir {out} already holds checkpoints of a run; continue it with resume=true, "
-                          f"start over with overwrite=true, or choose a fresh output_dir")
+    # before the first collective, alike on every rank (the parent process checked it too: train.preflight)
+    resume_dir = checkpoint.starting_point(ck_root, recipe.resume, recipe.overwrite)
     resume_step = checkpoint.read_state(resume_dir)["step"] if resume_dir else None
     trackers: list = [JSONLTracker(out / "metrics.jsonl", resume_step)]
     if recipe.log.tensorboard:
@@ -237,8 +235,9 @@ def _train(recipe: Recipe, world: World, on_step, out: Path, ck_root: Path, resu
         scheduler.load_state_dict(state["scheduler"])
         start_step, skipped_total = int(state["step"]), int(state.get("skipped", 0))
         stopper.load_state_dict(state.get("early_stopping"))
-    elif recipe.resume:
-        say(f"resume=true but {ck_root} holds no complete checkpoint: starting from step 0")
+        say(f"resumed from step {start_step} ({resume_dir})")
+    elif recipe.resume == "auto":
+        say(f"resume=auto: {ck_root} holds no complete checkpoint yet: starting from step 0")
     if resume_dir is None:
         set_seed(recipe.seed + 1 + world.rank)  # per-rank streams from here on (LoRA dropout masks)
 

@@ -38,7 +38,15 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
         if value is None and type(None) in args:
             return None
         rest = [a for a in args if a is not type(None)]
-        return coerce(value, rest[0], key)
+        if len(rest) == 1:
+            return coerce(value, rest[0], key)
+        for alt in rest:  # e.g. `resume: bool | Literal["auto"]`: the first alternative that takes the value
+            try:
+                return coerce(value, alt, key)
+            except RecipeError:
+                pass
+        kinds = [k for a in rest for k in _kinds(a)]
+        check(False, key, f"must be {', '.join(kinds[:-1])} or {kinds[-1]}, got {value!r}")
     if origin is Literal:
         check(value in typing.get_args(tp), key, f"must be one of {typing.get_args(tp)}, got {value!r}")
         return value
@@ -88,6 +96,15 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
                f"must be a string, got {value!r}")
         return str(value)
     return value
+
+
+def _kinds(tp: Any) -> list[str]:
+    """What a recipe value of type `tp` looks like, for errors listing the alternatives of a union."""
+    if typing.get_origin(tp) is Literal:
+        return [repr(v) for v in typing.get_args(tp)]
+    names = {bool: ["true", "false"], Tokens: ["a token count"], int: ["an integer"], float: ["a number"],
+             str: ["a string"]}
+    return names.get(tp, [getattr(tp, "__name__", str(tp))])
 
 
 def build(cls: type, data: dict, prefix: str = ""):

@@ -240,3 +240,43 @@ def test_torchrun_command_line_writes_on_global_rank_zero_only(setup, reference,
         for k, v in reference[t]["metrics"].items():
             assert math.isclose(got[t][k], v, rel_tol=1e-5, abs_tol=1e-6), (t, k)
     assert proc.stdout.count("|ld_mc ") == 1, proc.stdout[-2000:]
+
+
+def _lmeval(*args: str, cwd: Path):
+    """`python -m longdoc.lmeval ARGS` as a user runs it: no launcher."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    return subprocess.run([sys.executable, "-m", "longdoc.lmeval", *args], capture_output=True, text=True,
+                          timeout=1200, env=env, cwd=cwd)
+
+
+def test_without_a_launcher_cp2_starts_its_own_ranks(setup, reference, tmp_path):
+    """`python -m longdoc.lmeval ... cp=2` with no launcher printed a traceback and exited 1; it starts its two
+    local gloo ranks as `longdoc eval --cp 2` does, and writes one results file with the hf model's scores."""
+    out = tmp_path / "out"
+    proc = _lmeval("--model", "longdoc", "--model_args", f"pretrained={setup['folder']},cp=2,max_length={MAX_LENGTH}",
+                   "--device", "cpu", "--tasks", "ld_mc", "--include_path", setup["tasks"], "--output_path", str(out),
+                   cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "no launcher: starting 2 local CPU processes (cp=2" in proc.stdout, proc.stdout[-2000:]
+    written = list(out.rglob("results_*.json"))
+    assert len(written) == 1, written  # rank 0's only
+    got = json.loads(written[0].read_text())["results"]["ld_mc"]
+    for k, v in reference["ld_mc"]["metrics"].items():
+        assert math.isclose(got[k], v, rel_tol=1e-5, abs_tol=1e-6), (k, got[k], v)
+    assert proc.stdout.count("|ld_mc|") == 1, proc.stdout[-2000:]  # one table: rank 0 prints, rank 1 does not
+
+
+def test_without_a_launcher_bad_input_is_one_line_and_exit_2(setup, tmp_path):
+    for margs, says in ((f"pretrained={tmp_path / 'no-such-model'},cp=2", "no such model folder or file"),
+                        (f"pretrained={setup['folder']},cp=2,max_length=1000000",
+                         "max_length=1000000 exceeds the model's context"),
+                        (f"pretrained={setup['folder']},cp=2,parallelize=true", "not longdoc's")):
+        proc = _lmeval("--model", "longdoc", "--model_args", margs, "--device", "cpu", "--tasks", "ld_mc",
+                       "--include_path", setup["tasks"], cwd=tmp_path)
+        last = proc.stderr.splitlines()[-1] if proc.stderr else ""
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, (margs, proc.returncode, proc.stderr[-3000:])
+        assert last.startswith("python -m longdoc.lmeval: error: ") and says in last, last

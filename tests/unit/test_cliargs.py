@@ -73,3 +73,29 @@ def test_explicit_argv_still_raises_unless_asked(tmp_path):
         main(["eval", "position-loss", "--model", "tiny:llama", "--data", str(tmp_path / "missing.jsonl")])
     assert main(["eval", "position-loss", "--model", "tiny:llama", "--data", str(tmp_path / "missing.jsonl")],
                 catch=True) == 2
+
+
+@pytest.mark.parametrize("argv, dest, want", [
+    (["train", "r.yaml", "--nproc", "2", "train.steps=1"], "overrides", ["train.steps=1"]),
+    (["train", "r.yaml", "a=1", "--nproc", "2", "b=2", "--print", "c=3"], "overrides", ["a=1", "b=2", "c=3"]),
+    (["data", "prepare", "a.jsonl", "--out", "rows.jsonl", "b.jsonl", "--task", "qa", "c/"], "inputs",
+     ["a.jsonl", "b.jsonl", "c/"]),
+    (["bench", "attention", "--quick", "hybrid"], "sections", ["attention", "hybrid"]),
+    (["eval", "compare", "base", "--cp", "2", "tuned"], "b", "tuned"),
+])
+def test_options_may_come_anywhere_among_the_positionals(argv, dest, want):
+    """`longdoc train recipe.yaml --nproc 2 train.steps=1` said "unrecognized arguments: train.steps=1"."""
+    args = build_parser().parse_args(argv)
+    assert getattr(args, dest) == want
+
+
+def test_intermixed_parsing_still_refuses_what_it_should(capsys):
+    parser = build_parser()
+    for argv, says in ((["train", "r.yaml", "--bogus", "x=1"], "unrecognized arguments: --bogus"),
+                       (["train", "r.yaml", "x=1", "--nproc"], "argument --nproc: expected one argument"),
+                       (["train", "--nproc", "2"], "the following arguments are required: recipe")):
+        with pytest.raises(SystemExit) as e:
+            parser.parse_args(argv)
+        assert e.value.code == 2 and says in capsys.readouterr().err, argv
+    args = parser.parse_args(["train", "r.yaml", "--nproc", "2"])
+    assert (args.recipe, args.overrides, args.nproc) == ("r.yaml", [], 2)

@@ -86,3 +86,21 @@ def test_cli_compare_two_models_with_cp2(runs, tmp_path):
     assert set(res) >= {"qa", "needle", "position-loss"}
     assert report.load_results(out / "tuned" / "qa")["config"]["cp"] == 2
     assert len(list(out.glob("compare_*.png"))) == 3
+
+
+def test_model_and_lengths_are_checked_before_any_rank_starts(monkeypatch, tmp_path):
+    """A mistyped model or a length past the model's context used to surface inside the spawned ranks, after they
+    started and loaded the model (19-44 s at cp=2); the parent finds it from the model's config alone."""
+    import longdoc.spawn
+    from longdoc.train.config import RecipeError
+
+    monkeypatch.setattr(longdoc.spawn, "run_local", lambda *a, **k: pytest.fail("the ranks started"))
+    with pytest.raises(ValueError, match="unknown tiny architecture 'lama'"):
+        main(["eval", "needle", "--model", "tiny:lama", "--lengths", "256", "--cp", "2"])
+    with pytest.raises(FileNotFoundError, match="no such model folder or file"):
+        main(["eval", "ruler", "--model", str(tmp_path / "no-such-model"), "--lengths", "2k", "--cp", "2"])
+    with pytest.raises(RecipeError, match=r"--lengths 1048576 plus --max-new-tokens 32 exceeds the model's context "
+                                          r"\(131072 tokens\); extend it with --rope-type yarn --rope-factor 16"):
+        main(["eval", "needle", "--model", "tiny:llama", "--lengths", "1M", "--cp", "2"])
+    with pytest.raises(RecipeError, match=r"--length 2097152 exceeds the model's context"):
+        main(["eval", "position-loss", "--model", "tiny:llama", "--length", "2M", "--cp", "2"])

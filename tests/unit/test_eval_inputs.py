@@ -51,10 +51,11 @@ def test_eval_qa_refuses_a_prompt_past_the_context_before_any_compute(short_mode
 
 
 def test_eval_needle_and_position_loss_refuse_too(short_model, tmp_path):
-    with pytest.raises(ValueError, match=r"needle prompt for --lengths 512.*exceeds the model's context \(256"):
+    # checked in the parent, before any rank starts (longdoc.train.preflight): the length plus the answer budget
+    with pytest.raises(ValueError, match=r"--lengths 512 plus --max-new-tokens \d+ exceeds the model's context \(256"):
         main(["eval", "needle", "--model", short_model, "--lengths", "128,512", "--depths", "0", *COMMON,
               "--out", str(tmp_path / "n")])
-    with pytest.raises(ValueError, match=r"position-loss over documents of 512 tokens.*context \(256.*--rope-type"):
+    with pytest.raises(ValueError, match=r"--length 512 exceeds the model's context \(256.*--rope-type"):
         main(["eval", "position-loss", "--model", short_model, "--length", "512", "--buckets", "4", "--threads", "1",
               "--out", str(tmp_path / "p")])
 

@@ -107,3 +107,31 @@ def test_frozen_parameters_of_another_base_are_refused(tmp_path):
         model2[0].weight.mul_(2.0)  # a different frozen base: the adapter on top of it would be silently wrong
     with pytest.raises(checkpoint.CheckpointError, match="frozen parameters differ.*model.name"):
         checkpoint.load(folder, model2, opt2)
+
+
+def _fake_checkpoint(root, step: int):
+    folder = root / f"step-{step:08d}"
+    folder.mkdir(parents=True)
+    (folder / checkpoint.STATE_FILE).write_text("{}")
+    return folder
+
+
+def test_resume_true_without_a_checkpoint_is_refused_and_auto_starts_fresh(tmp_path):
+    """resume=true used to train from step 0 and exit 0 when output_dir held no checkpoint (a typo in it silently
+    restarted a long run); transformers' Trainer refuses, and so does longdoc now. resume=auto keeps the old way."""
+    root = tmp_path / "run" / "checkpoints"
+    with pytest.raises(checkpoint.CheckpointError, match=r"resume=true but output_dir .*run holds no complete "
+                                                         r"checkpoint.*resume=auto"):
+        checkpoint.starting_point(root, True)
+    (root / ".step-00000004.tmp").mkdir(parents=True)  # an interrupted write is no checkpoint either
+    with pytest.raises(checkpoint.CheckpointError, match="resume=true but"):
+        checkpoint.starting_point(root, True)
+    assert checkpoint.starting_point(root, "auto") is None
+    assert checkpoint.starting_point(root, False) is None
+    _fake_checkpoint(root, 2)
+    newest = _fake_checkpoint(root, 3)
+    assert checkpoint.starting_point(root, True) == newest
+    assert checkpoint.starting_point(root, "auto") == newest
+    assert checkpoint.starting_point(root, False, overwrite=True) is None
+    with pytest.raises(checkpoint.CheckpointError, match="already holds checkpoints.*resume=true.*overwrite=true"):
+        checkpoint.starting_point(root, False)

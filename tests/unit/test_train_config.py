@@ -127,3 +127,18 @@ def test_recipe_sequences_fit_the_extended_context(path):
         params, limit = rope_parameters(config, recipe.model)
         assert params["rope_type"] == recipe.model.rope_type and params["factor"] == recipe.model.rope_factor
     assert recipe.data.seq_len <= limit
+
+
+@pytest.mark.parametrize("value, want", [("true", True), ("false", False), ("auto", "auto"), ("yes", True)])
+def test_resume_takes_yaml_booleans_and_auto(value, want):
+    assert recipe_from_dict({"data": {"path": "random"}}, [f"resume={value}"]).resume == want
+    assert recipe_from_dict({"data": {"path": "random"}, "resume": want}).resume == want
+
+
+def test_resume_refuses_other_values_and_overwrite():
+    with pytest.raises(RecipeError, match=r"^resume: must be true, false or 'auto', got 'maybe'$"):
+        recipe_from_dict({"data": {"path": "random"}}, ["resume=maybe"])
+    with pytest.raises(RecipeError, match="resume: must be true, false or 'auto', got 1"):
+        recipe_from_dict({"data": {"path": "random"}, "resume": 1})
+    with pytest.raises(RecipeError, match="overwrite: cannot be combined with resume=auto"):
+        recipe_from_dict({"data": {"path": "random"}}, ["resume=auto", "overwrite=true"])
