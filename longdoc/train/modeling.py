@@ -130,6 +130,14 @@ def build(mcfg: ModelConfig, lcfg: LoraConfig, tcfg: TrainConfig, cp, seq_len: i
             raise RecipeError("lora.enabled with train.fsdp is not supported: a LoRA run keeps the frozen base "
                               "replicated (DDP); set train.fsdp=false or lora.enabled=false")
         model = _add_lora(model, lcfg)
+    if tcfg.offload_checkpoints:  # after LoRA: peft may set the checkpointing up again
+        from longdoc.hf.offload import offload_checkpoints
+
+        offload_checkpoints(model)
+    if tcfg.tiled_mlp:
+        from longdoc.hf.tiled_mlp import tile_mlps
+
+        tile_mlps(model, tcfg.mlp_tile_tokens)
     longdoc.patch(model, cp, strategy=tcfg.strategy)
     model.train()
     return model, tokenizer
