@@ -1,13 +1,13 @@
 """The tiny random-init architectures behind "tiny:<name>", by name: plain data with no imports, so every
 `--help` lists them without loading transformers (longdoc.models.tiny builds them).
 
-Two tables, one entry per name:
+The tables, one entry per name:
   PLAIN     the unit-test zoo: full causal attention on every layer, model_type = the name. Tests loop over
             these and compare with sdpa, so they stay plain (a window here would change their numbers).
   PATTERNED families with their attention patterns ON: name -> (model_type, config overrides, what it
             exercises). Windows and chunks are WINDOW tokens, shorter than any sensible --seq-len, so every
             sliding / chunked layer really hides keys. A new family (e.g. a hybrid one, once longdoc shards its
-            layers) is one more entry here.
+            layers) is one more entry here. HYBRID and SPARSE have the same shape (recurrent / conv layers; DSA).
 Both add to COMMON (hidden 64, 2 layers, 4 query / 2 KV heads of 16, vocab 256, 128k positions).
 """
 
@@ -78,11 +78,23 @@ HYBRID: dict[str, tuple[str, dict[str, Any], str]] = {
                          "Granite 4.0-H's layer mix: Mamba2, attention, MoE"),
 }
 
-NAMES: tuple[str, ...] = (*PLAIN, *PATTERNED, *HYBRID)
+# Sparse indexed attention (DSA: a lightning indexer keeps each query's top-k keys), same shape as PATTERNED.
+# index_topk 8 is far below any sensible --seq-len, so the selection really is sparse; MLA attention, MoE MLPs.
+SPARSE: dict[str, tuple[str, dict[str, Any], str]] = {
+    "deepseek_v32": ("deepseek_v32", dict(num_hidden_layers=3, num_key_value_heads=4, head_dim=8, index_topk=8,
+                                          index_head_dim=16, index_n_heads=2, q_lora_rank=32, kv_lora_rank=16,
+                                          qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4,
+                                          num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1,
+                                          mlp_layer_types=["dense", "sparse", "sparse"], tie_word_embeddings=False),
+                     "DeepSeek-V3.2 sparse attention: top-8 selected keys per query, MLA, MoE"),
+}
+
+NAMES: tuple[str, ...] = (*PLAIN, *PATTERNED, *HYBRID, *SPARSE)
 
 
 def describe() -> str:
     """Every name, the patterned ones with what they exercise: for --help texts."""
     return ", ".join(PLAIN) + "; with attention patterns on: " + "; ".join(
         f"{name} ({what})" for name, (_, _, what) in PATTERNED.items()) + "; hybrid: " + "; ".join(
-        f"{name} ({what})" for name, (_, _, what) in HYBRID.items())
+        f"{name} ({what})" for name, (_, _, what) in HYBRID.items()) + "; sparse: " + "; ".join(
+        f"{name} ({what})" for name, (_, _, what) in SPARSE.items())

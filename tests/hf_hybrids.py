@@ -4,7 +4,7 @@ transformers' own configs, for the CP-vs-one-process tests of longdoc.hf.kinds.
     ref, model = hybrid_pair("granitemoehybrid")    # identical weights; eager attention (the reference)
 
 Layer mixes follow the real models' shapes at toy size (e.g. Granite 4.0-H: Mamba2 layers with an attention
-layer between, MoE MLPs). Mamba layers use n_groups=1 (and 2 for one variant) with 8 heads, so CP sizes above
+layer between, MoE MLPs). Mamba layers use n_groups=1 (and 2 in VARIANTS) with 8 heads, so CP sizes above
 the group count are covered. Add a family: one entry in HYBRIDS (model_type -> config overrides).
 """
 
@@ -57,8 +57,18 @@ HYBRIDS: dict[str, dict[str, Any]] = {
 }
 
 
+# name -> (model_type, overrides over its HYBRIDS entry): Mamba2 with 2 groups of B/C (each group shared by 4 of the
+# 8 heads), as real checkpoints have them (Nemotron-H: 8 groups), at CP sizes equal to and above the group count
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "mamba2/2 groups": ("mamba2", dict(n_groups=2)),
+    "nemotron_h/2 groups": ("nemotron_h", dict(n_groups=2)),
+}
+
+
 def hybrid_config(arch: str, **overrides: Any):
-    config = AutoConfig.for_model(arch, **{**_COMMON, **HYBRIDS[arch], **overrides})
+    """The tiny config of a HYBRIDS model type or of a VARIANTS name."""
+    arch, variant = VARIANTS.get(arch, (arch, {}))
+    config = AutoConfig.for_model(arch, **{**_COMMON, **HYBRIDS[arch], **variant, **overrides})
     for key, value in vars(config).items():
         if (key.endswith("dropout") or key.endswith("pdrop")) and isinstance(value, float):
             setattr(config, key, 0.0)

@@ -28,10 +28,15 @@ class Case:
     layout: str = "zigzag"
     strategy: str = "ring"
     checkpointing: bool = False  # activation checkpointing in train mode: the mixers recompute in backward
+    ulysses_size: int | None = None  # strategy "usp": ranks per Ulysses group
 
 
 CASES = (Case("plain", "plain"), Case("padded/contiguous/allgather", "padded", "contiguous", "allgather"),
          Case("packed", "packed"), Case("packed/contiguous/checkpointed", "packed", "contiguous", checkpointing=True))
+# attention by head all-to-all beside the state passing: ulysses (any world dividing the 2 K/V heads), usp (world 4)
+ULYSSES = (Case("plain/ulysses", "plain", strategy="ulysses"), Case("packed/ulysses", "packed", strategy="ulysses"))
+USP = (Case("padded/usp", "padded", strategy="usp", ulysses_size=2),
+       Case("packed/contiguous/usp", "packed", "contiguous", strategy="usp", ulysses_size=2))
 PACKED_ROWS = ((17, 3, 20), (5, 35))
 PADDING = ((9, 31, 0), (0, 27, 13))  # (left pads, real tokens, right pads) per row
 

@@ -78,6 +78,18 @@ def train_with_nan_at(rank: int, world_size: int, recipe: dict, overrides: list[
 
 
 def train_on_ranks(rank: int, world_size: int, recipe: dict, overrides: list[str]):
+    """(history, the reduced gradients each optimizer step applied)."""
+    return train_pinned(rank, world_size, recipe, overrides)[:2]
+
+
+def train_pinned(rank: int, world_size: int, recipe: dict, overrides: list[str], pin: list | None = None):
+    """Train; (history, the reduced gradients each step applied, the trained parameters after each step).
+
+    pin: another run's parameters after each step (its third result). After step k < len(pin) this run's trained
+    parameters are set to pin[k - 1], so its step k + 1 gradients are taken at the other run's parameters: runs
+    compared step by step then differ only by what each step computes, never by rounding that Adam amplified in
+    the steps before (an element whose gradient is ~0 moves by a full +-lr whose sign follows that rounding). The
+    last step is not pinned: the final weights still differ by one step of each run's own."""
     accelerate_env(rank, world_size)
     import torch
 
@@ -85,15 +97,33 @@ def train_on_ranks(rank: int, world_size: int, recipe: dict, overrides: list[str
     from longdoc.train.loop import train
 
     grads: list[list] = []  # numpy copies: tensors would go back through shared memory of a dead process
+    params: list[list] = []
     step = torch.optim.AdamW.step
 
     def recording_step(self, *args, **kwargs):  # the reduced gradients the optimizer is about to apply
-        grads.append([_full(p.grad).detach().numpy().copy() for g in self.param_groups for p in g["params"]])
-        return step(self, *args, **kwargs)
+        trained = [p for g in self.param_groups for p in g["params"]]
+        grads.append([_full(p.grad).detach().numpy().copy() for p in trained])
+        out = step(self, *args, **kwargs)
+        if pin is not None and len(grads) < len(pin):
+            with torch.no_grad():
+                for p, w in zip(trained, pin[len(grads) - 1], strict=True):
+                    _load(p, torch.from_numpy(w))
+        params.append([_full(p).detach().numpy().copy() for p in trained])
+        return out
 
     torch.optim.AdamW.step = recording_step
     result = train(recipe_from_dict(recipe, overrides))
-    return [(s.step, s.loss, s.tokens, s.grad_norm) for s in result.history], grads
+    return [(s.step, s.loss, s.tokens, s.grad_norm) for s in result.history], grads, params
+
+
+def _load(p, full) -> None:
+    """Set parameter p (a plain tensor, or FSDP2's sharded DTensor) to the full tensor `full`."""
+    if hasattr(p, "full_tensor"):
+        from torch.distributed.tensor import distribute_tensor
+
+        p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements).to_local())
+    else:
+        p.copy_(full)
 
 
 def _full(t):

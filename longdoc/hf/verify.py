@@ -5,15 +5,15 @@
     longdoc verify --model SmolLM2-135M-Instruct --cp 4 --seq-len 2048 --strategy usp --ulysses-size 2
     longdoc verify --model path/to/config.json --cp 2 --seq-len 4096        # random init from a config
 
-It spawns --cp gloo ranks on this machine's CPUs (or, started by `torchrun` / `accelerate launch
---multi_gpu --num_processes N`, joins their group), runs the patched model on a random batch with
-cp.shard_batch, then (on rank 0 alone, with every core) the unpatched model on the full batch, and prints
-the largest errors of the logits, the loss (sum of the rank shares) and the gradients (summed over
-ranks), and which attention patterns the run exercised (sliding windows, chunks, soft-capping, sinks, padding),
-with a PASS/FAIL verdict against dtype-based tolerances: exit status 0 on PASS, 1 on FAIL, 2 on bad input (one
-line on stderr, the same with any --cp), 3 on an internal error (a bug). Models run in eval mode
-(no dropout), gradients still flow. For bfloat16/float16, both the CP run and the single-process run in
-that dtype are compared with a float64 reference: CP passes when it is no worse than 2x the
+It spawns --cp gloo ranks on this machine's CPUs (or, started by `torchrun` / `accelerate launch --multi_gpu
+--num_processes N`, joins their group), runs the patched model on a random batch with cp.shard_batch, then (on rank
+0 alone, with every core) the unpatched model on the full batch, and prints the largest errors of the logits, the
+loss (sum of the rank shares) and the gradients (summed over ranks), and what the run exercised: the attention
+patterns (sliding windows, chunks, soft-capping, sinks, padding) and every other layer kind (state passing, conv
+halos, DSA's selected keys, the router loss), with a PASS/FAIL verdict against dtype-based tolerances: exit status
+0 on PASS, 1 on FAIL, 2 on bad input (one line on stderr, the same with any --cp), 3 on an internal error (a bug).
+Models run in eval mode (no dropout), gradients still flow. For bfloat16/float16, both the CP run and the
+single-process run in that dtype are compared with a float64 reference: CP passes when it is no worse than 2x the
 single-process rounding error (plus a small floor).
 """
 
@@ -169,11 +169,14 @@ def _tokens(spec: Spec, vocab: int):
     return ids[: spec.batch_size * spec.seq_len].reshape(spec.batch_size, spec.seq_len)
 
 
-def _step(model, batch: dict):
-    """Forward + backward; returns (logits, loss, {name: grad}) detached."""
+def _step(model, batch: dict, outputs: dict | None = None):
+    """Forward + backward; returns (logits, loss, {name: grad}) detached. `outputs`: gets "router_loss", whether
+    the loss held a router (load-balancing) term."""
     model.zero_grad(set_to_none=True)
     out = model(**batch)
     out.loss.backward()
+    if outputs is not None:
+        outputs["router_loss"] = getattr(out, "aux_loss", None) is not None
     grads = {n: p.grad.detach() for n, p in model.named_parameters() if p.grad is not None}
     return out.logits.detach(), out.loss.detach(), grads
 
@@ -210,8 +213,10 @@ def _rank(rank: int, world_size: int, spec: Spec) -> dict | None:
     cp = ContextParallel(layout=spec.layout, timeout=spec.timeout, ulysses_size=spec.ulysses_size)
 
     patch(model, cp, strategy=spec.strategy)
-    logits, loss, grads = _step(model, cp.shard_batch(full))
+    outputs: dict = {}
+    logits, loss, grads = _step(model, cp.shard_batch(full), outputs)
     seen = dict(model._longdoc_cp.patterns_seen)
+    calls = dict(model._longdoc_cp.kind_calls)
     unpatch(model)
     loss = loss.double()
     if cp.size > 1:
@@ -240,6 +245,7 @@ def _rank(rank: int, world_size: int, spec: Spec) -> dict | None:
         result["single_vs_fp64"] = _errors(ref_logits, ref_loss, ref_grads, *hi)
     result["loss"] = (loss.item(), ref_loss.item())
     result["patterns"] = exercised(seen, layouts.round_up(spec.seq_len, cp.multiple) - spec.seq_len)
+    result["kinds"] = kinds_exercised(calls, outputs["router_loss"])
     return result
 
 
@@ -263,6 +269,36 @@ def exercised(seen: dict, padding: int) -> list[str]:
     out = [f"{k} ({c} of {n} layers)" for k, c in counts.items()]
     if padding:
         out.append(f"padding ({padding} tokens, to the layout's multiple; never counted)")
+    return out
+
+
+# What each layer kind (longdoc.hf.kinds, by name) does under CP, in the report's words.
+_STATE = "state passing"
+_KIND_WORDS = {
+    "mamba2": f"{_STATE} (Mamba2 SSD) and conv halos",
+    "mamba2_parallel": f"{_STATE} (Mamba2 SSD beside attention) and conv halos",
+    "mamba": f"{_STATE} (Mamba selective scan) and conv halos",
+    "shortconv": "conv halos (short convolutions)",
+    "inkling": "conv halos (short convolutions)",
+    "zaya_cca": "conv halos and a one-token shift (ZAYA CCA)",
+    "gated_deltanet": f"{_STATE} (gated delta rule) and conv halos",
+    "kda": f"{_STATE} (Kimi delta attention) and conv halos",
+    "lightning": f"{_STATE} (lightning attention)",
+    "rglru": f"{_STATE} (RG-LRU) and conv halos",
+    "rwkv": f"{_STATE} (RWKV) and token-shift halos",
+    "xlstm": f"{_STATE} (mLSTM)",
+    "dsa_indexer": "selected keys (DSA: each query's top-k over every earlier key of the whole sequence)",
+    "llama4_temperature": "attention temperature by global position (Llama 4)",
+}
+
+
+def kinds_exercised(calls: dict[str, int], router_loss: bool) -> list[str]:
+    """The layer kinds beyond attention a CP forward ran (the patched model's record, longdoc.hf.kinds: kind name ->
+    calls, one per layer in a forward without recompute) and whether its loss held a router term."""
+    out = [f"{_KIND_WORDS.get(name, name + ' layers')} ({n} layer{'s' if n != 1 else ''})"
+           for name, n in calls.items() if n]
+    if router_loss:
+        out.append("router load-balancing loss (each rank's share of its tokens, summed over the group)")
     return out
 
 
@@ -290,6 +326,8 @@ def _report(spec: Spec, result: dict) -> int:
     cp_loss, ref_loss = result["loss"]
     if result.get("patterns"):
         print(f"attention patterns exercised: {'; '.join(result['patterns'])}")
+    if result.get("kinds"):
+        print(f"layer kinds exercised: {'; '.join(result['kinds'])}")
     print(f"\nloss: CP (sum of {spec.cp} shares) {cp_loss:.8f}   single process {ref_loss:.8f}")
     print(f"{'':28s}{'CP vs single':>15s}" + (f"{'CP vs fp64':>15s}{'single vs fp64':>16s}"
                                               if "cp_vs_fp64" in result else ""))

@@ -43,6 +43,7 @@ from longdoc.models.tiny import (
     TINY_NAMES,
     TINY_PATTERN_ARCHS,
     TINY_PREFIX,
+    TINY_SPARSE,
     arch_of,
     from_config,
     tiny_config,
@@ -50,7 +51,7 @@ from longdoc.models.tiny import (
 )
 
 __all__ = [
-    "DEFAULT_ALIASES", "DEFAULT_MODEL", "DEFAULT_TOKEN_IDS", "TINY_ARCHS", "TINY_HYBRIDS", "TINY_NAMES",
+    "DEFAULT_ALIASES", "DEFAULT_MODEL", "DEFAULT_TOKEN_IDS", "TINY_ARCHS", "TINY_HYBRIDS", "TINY_NAMES", "TINY_SPARSE",
     "TINY_PATTERN_ARCHS", "TINY_PREFIX", "atomic_build", "convert_gguf", "default_cache_dir", "from_config", "load",
     "load_config", "load_tokenizer", "resolve", "tiny_config", "tiny_model",
 ]

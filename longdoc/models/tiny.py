@@ -24,6 +24,7 @@ TINY_PREFIX = "tiny:"
 TINY_ARCHS: tuple[str, ...] = tuple(zoo.PLAIN)  # the plain test zoo (model_type = name, full attention)
 TINY_PATTERN_ARCHS: tuple[str, ...] = tuple(zoo.PATTERNED)  # families with windows / sinks / soft-caps / chunks on
 TINY_HYBRIDS: tuple[str, ...] = tuple(zoo.HYBRID)  # state-space / conv layers (longdoc.hf.kinds)
+TINY_SPARSE: tuple[str, ...] = tuple(zoo.SPARSE)  # sparse indexed attention (DSA)
 TINY_NAMES: tuple[str, ...] = zoo.NAMES
 
 
@@ -51,8 +52,8 @@ def tiny_config(arch: str, **overrides: Any) -> PretrainedConfig:
     """
     if arch in zoo.PLAIN:
         model_type, own = arch, zoo.PLAIN[arch]
-    elif arch in zoo.PATTERNED or arch in zoo.HYBRID:
-        model_type, own, _ = zoo.PATTERNED.get(arch) or zoo.HYBRID[arch]
+    elif arch in zoo.PATTERNED or arch in zoo.HYBRID or arch in zoo.SPARSE:
+        model_type, own, _ = zoo.PATTERNED.get(arch) or zoo.HYBRID.get(arch) or zoo.SPARSE[arch]
     else:
         raise _unknown(arch)
     fields = {**zoo.COMMON, **own, **overrides}

@@ -31,6 +31,11 @@ TOL = {torch.float64: (1e-5, 1e-6, 1e-4, 1e-6), torch.float32: (1e-4, 1e-5, 1e-4
 # for its float64 definition (tests.hf_hybrids_linear.float64_delta_rule: CP == one process to the attention
 # core's fp32 merge); the "fp32 kernel" cases run transformers' own kernel, with a per-parameter bound at its spread.
 DELTA_GRAD_TOL = 1e-3
+# ...and tightly, as ratios: CP with transformers' fp32 kernel against the float64 definition, over one process with
+# that kernel against it (_fp32_kernel). CP's pieces start the kernel's chunks at other places and add the entering
+# state in fp32, no worse than one process's own fp32 rounding (measured: 0.2-1.05x at CP 2)
+RATIO = "fp32 kernel ratio"
+TOL[RATIO] = (2.0, 2.0, 2.0, 2.0)
 DELTA = {"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "lara_mini", "qwen4_exp_text",
          "kimi_linear", "bailing_hybrid", "glm5_next"}
 
@@ -75,6 +80,30 @@ def _bf16(arch: str, cp, seed: int) -> tuple[float, ...]:
                       for n, g in g32.items()),
                   (diff2 / sum(g.double().pow(2).sum().item() for g in g32.values())) ** 0.5)
     return tuple(a / max(b, 1e-6) for a, b in zip(cp_errors, one_errors))
+
+
+def _fp32_kernel(arch: str, cp, seed: int) -> tuple[float, ...]:
+    """CP with transformers' own fp32 chunk kernel, and one process with it, both against the float64 definition
+    (float64_delta_rule): the ratios of their errors (floors: 1e-6 logits and loss, 1e-5 grads)."""
+    import longdoc
+
+    ref64, _ = linear_pair(arch, dtype=torch.float64)
+    ref32, model = linear_pair(arch)
+    longdoc.patch(model, cp)
+    ids = torch.randint(0, 256, (2, LENGTH), generator=torch.Generator().manual_seed(seed))  # unpacked_case's batch
+    rows = rows_of(ids, [0, LEAD])
+    with float64_delta_rule(arch):
+        case = unpacked_case(ref64, cp, seed, LENGTH, LEAD)
+        l64, loss64, g64 = pieces_reference(ref64, rows)
+    cp_errors = _errors(model, cp, *case)
+    l32, loss32, g32 = pieces_reference(ref32, rows)
+    diff2 = sum((g32[n].double() - g).pow(2).sum().item() for n, g in g64.items())
+    one_errors = (max((a.double() - b).abs().max().item() for a, b in zip(l32, l64)),
+                  abs(loss32.item() - loss64.item()) / abs(loss64.item()),
+                  max(((g32[n].double() - g).abs().max() / g.abs().max().clamp_min(1e-6)).item()
+                      for n, g in g64.items()),
+                  (diff2 / sum(g.pow(2).sum().item() for g in g64.values())) ** 0.5)
+    return tuple(a / max(b, f) for a, b, f in zip(cp_errors, one_errors, (1e-6, 1e-6, 1e-5, 1e-6)))
 
 
 def _unpacked(ref, model, cp, seed: int, length: int = LENGTH, lead: int = LEAD):
@@ -148,6 +177,9 @@ def _rank_families(rank: int, world_size: int, archs: tuple[str, ...], extra: tu
             results.append((arch, "allgather+contiguous", torch.float32, *_unpacked(ref, model, contiguous, 90)))
             results.append((arch, "contiguous packed", torch.float32, *_packed(ref, model, contiguous, 91)))
             results.append((arch, "bf16 (ratios to one bf16 process)", torch.bfloat16, *_bf16(arch, cp, seed=92)))
+            if arch in DELTA:
+                results.append((arch, "fp32 kernel (ratios to one fp32-kernel process, vs float64)", RATIO,
+                                *_fp32_kernel(arch, cp, seed=93)))
     return results
 
 

@@ -1,6 +1,7 @@
 """The MoE router auxiliary loss (output_router_logits=True) under CP against one process: loss, aux loss and every
-gradient, padded and packed rows, at cp=2 and at dp=2 x cp=2 (each replica's loss is its own batch's: the router
-statistics are summed over the CP group only).
+gradient, padded and packed rows, for attention MoE models and hybrid ones (Jamba, Granite-4-H, Qwen3-Next), at cp=2
+and at dp=2 x cp=2 (each replica's loss is its own batch's: the router statistics are summed over the CP group
+only).
 
 References: transformers' own forward in one process; a padded batch with its attention_mask (which leaves the
 pads out of the router statistics), a packed row as its documents run on their own, their router logits
@@ -30,8 +31,25 @@ _TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
 ARCHS = ("mixtral", "qwen3_moe", "gpt_oss")
 
 
+# hybrid MoE models (Mamba / Gated DeltaNet layers beside attention): the router loss beside state passing
+HYBRID_ARCHS = ("jamba", "granitemoehybrid", "qwen3_next")
+
+
+def _config(arch: str):
+    router = dict(output_router_logits=True, router_aux_loss_coef=0.7)
+    if arch == "qwen3_next":
+        from tests.hf_hybrids_linear import linear_config
+
+        return linear_config(arch, **router)
+    if arch in HYBRID_ARCHS:
+        from tests.hf_hybrids import hybrid_config
+
+        return hybrid_config(arch, **router)
+    return AutoConfig.for_model(arch, **{k: v for k, v in _TINY.items()})
+
+
 def _pair(arch: str):
-    config = AutoConfig.for_model(arch, **{k: v for k, v in _TINY.items()})
+    config = _config(arch)
     for key, value in vars(config).items():
         if key.endswith("dropout") and isinstance(value, float):
             setattr(config, key, 0.0)
@@ -146,7 +164,7 @@ def _check(per_rank) -> None:
 
 
 def test_router_aux_loss_cp2():
-    _check(run_ranks(2, _rank, 2, ARCHS, deadline=600, pg_timeout=60))
+    _check(run_ranks(2, _rank, 2, ARCHS + HYBRID_ARCHS, deadline=600, pg_timeout=60))
 
 
 def test_router_aux_loss_dp2_cp2():
@@ -155,15 +173,17 @@ def test_router_aux_loss_dp2_cp2():
 
 # ---- longdoc train: train.router_aux_loss_coef, the aux loss logged, cp=2 and dp=2 x cp=2 == one process ----
 
-def _train_rank(rank: int, world_size: int, recipe: dict, overrides: list[str]):
-    from tests.training import train_on_ranks
+def _train_rank(rank: int, world_size: int, recipe: dict, overrides: list[str], pin: list | None = None):
+    """(history, each step's gradients, the logged aux losses, the parameters after each step); pin: see
+    tests/training.py train_pinned (the CP runs take each step's gradients at the one-process run's parameters)."""
+    from tests.training import train_pinned
 
-    hist, grads = train_on_ranks(rank, world_size, recipe, overrides)
+    hist, grads, params = train_pinned(rank, world_size, recipe, overrides, pin)
     import json
     from pathlib import Path
 
     logged = [json.loads(line) for line in (Path(recipe["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
-    return hist, grads, [row.get("aux_loss") for row in logged if "loss" in row]
+    return hist, grads, [row.get("aux_loss") for row in logged if "loss" in row], params
 
 
 def _recipe(tmp_path, name: str, coef: float) -> dict:
@@ -176,14 +196,15 @@ def _recipe(tmp_path, name: str, coef: float) -> dict:
 def _compare_train(tmp_path, runs) -> None:
     from tests.training import max_rel_err, ranks
 
-    ref_hist, ref_grads, ref_aux = ranks(1, _train_rank, _recipe(tmp_path, "single", 0.3), [], deadline=300)[0]
+    ref_hist, ref_grads, ref_aux, pin = ranks(1, _train_rank, _recipe(tmp_path, "single", 0.3), [], deadline=300)[0]
     assert all(a is not None and a > 0 for a in ref_aux)
     # the coefficient counts: at step 1 (same weights) the loss is the CE plus 0.3 x the logged aux loss
-    ce_hist, _, ce_aux = ranks(1, _train_rank, _recipe(tmp_path, "ce", 0.0), [], deadline=300)[0]
+    ce_hist, _, ce_aux, _ = ranks(1, _train_rank, _recipe(tmp_path, "ce", 0.0), [], deadline=300)[0]
     assert ce_aux[0] is None
     assert abs(ref_hist[0][1] - (ce_hist[0][1] + 0.3 * ref_aux[0])) <= 1e-5 * ref_hist[0][1]
     for name, world in runs:
-        for hist, grads, aux in ranks(world, _train_rank, _recipe(tmp_path, name, 0.3), ["cp_size=2"], deadline=400):
+        for hist, grads, aux, _ in ranks(world, _train_rank, _recipe(tmp_path, name, 0.3), ["cp_size=2"], pin,
+                                         deadline=400):
             for (s, loss, tok, gn), (s0, loss0, tok0, gn0) in zip(hist, ref_hist, strict=True):
                 assert (s, tok) == (s0, tok0)
                 assert abs(loss - loss0) <= 1e-5 * abs(loss0) and abs(gn - gn0) <= 1e-5 * gn0, (name, s)

@@ -1,5 +1,6 @@
 """longdoc.parallel.recurrent over real gloo ranks (2, 3, 4) against one-process float64 references: outputs,
-final states and the gradients of every input, for SSD (Mamba2), the selective scan (Mamba1), a dense toy
+final states and the gradients of every input and parameter (A, D, dt_bias: each rank's share, summed over the
+group), for SSD (Mamba2), the selective scan (Mamba1), a dense toy
 recurrence (re-run finish) and conv halos; plain and packed rows (rows packed alike and differently), both
 layouts, decays near 0 and near 1, pieces shorter than the conv kernel."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import longdoc
 from longdoc.parallel import layout as layouts
@@ -19,8 +21,9 @@ def _rows(docs_per_row, length):
     return [layouts.Packed(d) if d is not None else None for d in docs_per_row]
 
 
-def _check(cp, name, make, rec, dims, out_dim, length, docs_per_row, reference) -> dict[str, float]:
-    """Errors of run() (outputs, final state of row docs, input grads) against the full-row reference."""
+def _check(cp, name, make, rec, dims, out_dim, length, docs_per_row, reference, params) -> dict[str, float]:
+    """Errors of run() (outputs, final state of row docs, input and parameter grads) against the full-row reference.
+    params: name -> (the tensor `rec` holds, the reference's copy), both leaves."""
     inputs = [t.requires_grad_() for t in make()]
     segs = [Segments.of(cp.layout, cp.size, length, d) for d in _rows(docs_per_row, length)]
     shard = [torch.cat([layouts.shard_runs(x.narrow(0, b, 1), d, s.runs[cp.rank]) for b, s in enumerate(segs)])
@@ -42,7 +45,16 @@ def _check(cp, name, make, rec, dims, out_dim, length, docs_per_row, reference) 
     for i, (x, d, lx) in enumerate(zip(inputs, dims, local)):
         g = torch.cat([layouts.shard_runs(x.grad.narrow(0, b, 1), d, s.runs[cp.rank]) for b, s in enumerate(segs)])
         errs[f"grad{i}"] = (lx.grad - g).abs().max().item()
+    for pname, (mine, theirs) in params.items():  # every rank's share of a parameter's gradient, summed
+        g = mine.grad.clone()
+        dist.all_reduce(g, group=cp.group)
+        errs[f"grad_{pname}"] = (g - theirs.grad).abs().max().item() / theirs.grad.abs().max().item()
     return errs
+
+
+def _leaves(**tensors) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """name -> (the CP run's leaf, the reference's leaf): two copies, so each side gets its own gradient."""
+    return {k: (t.clone().requires_grad_(), t.clone().requires_grad_()) for k, t in tensors.items()}
 
 
 def _per_doc(fn, inputs, dims, out_dim, docs_per_row, length, first_end):
@@ -70,26 +82,28 @@ def _cases(cp, world):
             D = torch.rand(4, generator=g, dtype=torch.float64)
             bias = torch.rand(4, generator=g, dtype=torch.float64) - 0.5
             x, dt, A, B, C = ref.ssd_inputs(2, length, 4, 3, 1, 5, seed=world, decay=decay)
-            rec = SSD(ref.ssd_scan, A, 4, D=D, dt_bias=bias, dt_softplus=True)
+            p = _leaves(A=A, D=D, dt_bias=bias)
+            rec = SSD(ref.ssd_scan, p["A"][0], 4, D=p["D"][0], dt_bias=p["dt_bias"][0], dt_softplus=True)
             yield ("ssd/" + tag, lambda t=(x, dt, B, C): [v.clone() for v in t], rec, (1, 1, 1, 1), 1, length, docs,
-                   lambda ins, dd, fe, A=A, D=D, bias=bias: _per_doc(
+                   lambda ins, dd, fe, A=p["A"][1], D=p["D"][1], bias=p["dt_bias"][1]: _per_doc(
                        lambda xs, dts, Bs, Cs: ref.ssd_sequential(xs, dts, A, Bs, Cs, D, bias, True), ins,
                        (1, 1, 1, 1), 1,
-                       dd, length, fe))
+                       dd, length, fe), p)
             x, dt, A, B, C, _ = ref.selective_inputs(2, length, 6, 4, seed=world, decay=decay)
             D6 = torch.rand(6, generator=g, dtype=torch.float64)
-            rec = Selective(ref.selective_scan, A, D=D6, delta_bias=bias.repeat(2)[:6], delta_softplus=True)
+            p = _leaves(A=A, D=D6, dt_bias=bias.repeat(2)[:6])
+            rec = Selective(ref.selective_scan, p["A"][0], D=p["D"][0], delta_bias=p["dt_bias"][0],
+                            delta_softplus=True)
             yield ("selective/" + tag, lambda t=(x, dt, B, C): [v.clone() for v in t], rec, (2, 2, 2, 2), 2, length,
-                   docs, lambda ins, dd, fe, A=A, D6=D6, bias=bias: _per_doc(
-                       lambda xs, dts, Bs, Cs: ref.selective_sequential(xs, dts, A, Bs, Cs, D6, None,
-                                                                        bias.repeat(2)[:6], True), ins,
-                       (2, 2, 2, 2), 2, dd, length, fe))
+                   docs, lambda ins, dd, fe, A=p["A"][1], D6=p["D"][1], bias=p["dt_bias"][1]: _per_doc(
+                       lambda xs, dts, Bs, Cs: ref.selective_sequential(xs, dts, A, Bs, Cs, D6, None, bias, True),
+                       ins, (2, 2, 2, 2), 2, dd, length, fe), p)
         M, u, c = ref.dense_inputs(2, length, 3, seed=world)
         toy = ref.DenseToy()
         yield (f"dense/{rows}", lambda t=(M, u, c): [v.clone() for v in t],
                toy, (1, 1, 1), 1, length, docs,
                lambda ins, dd, fe, toy=toy: _per_doc(lambda Ms, us, cs: toy.scan(Ms, us, cs)[:2], ins, (1, 1, 1), 1,
-                                                     dd, length, fe))
+                                                     dd, length, fe), {})
 
 
 def _halo_case(cp, length, docs, kernel) -> dict[str, float]:
@@ -118,8 +132,8 @@ def _all(rank, world):
     out = {}
     for lay in ("zigzag", "contiguous"):
         cp = longdoc.ContextParallel(layout=lay, timeout=60)
-        for name, make, rec, dims, out_dim, length, docs, reference in _cases(cp, world):
-            out[name] = _check(cp, name, make, rec, dims, out_dim, length, docs, reference)
+        for name, make, rec, dims, out_dim, length, docs, reference, params in _cases(cp, world):
+            out[name] = _check(cp, name, make, rec, dims, out_dim, length, docs, reference, params)
         for docs in (None, (12 * world - 7, 1, 2, 4)):
             for kernel in (2, 4, 6):
                 out[f"halo/{lay}/{'packed' if docs else 'plain'}/k{kernel}"] = _halo_case(cp, 12 * world, docs, kernel)

@@ -1,24 +1,25 @@
 """Training with dp x cp on gloo ranks equals single-process training: the same logged losses, token counts and
-gradient norms on every rank, the same reduced gradients, and the same final weights."""
+gradient norms on every rank, the same reduced gradients, and the same final weights. Steps after the first are
+compared at identical parameters (the runs pinned to the one-process run's: tests/training.py train_pinned)."""
 
 from __future__ import annotations
 
 import pytest
 from safetensors.torch import load_file
 
-from tests.training import max_rel_err, ranks, tiny_recipe, train_on_ranks
+from tests.training import max_rel_err, ranks, tiny_recipe, train_on_ranks, train_pinned
 
 
 def test_dp_cp_equals_single_process(tmp_path):
-    ref, ref_grads = ranks(1, train_on_ranks, tiny_recipe(tmp_path / "single"), [], deadline=300)[0]
-    cp2 = ranks(2, train_on_ranks, tiny_recipe(tmp_path / "cp2"), ["cp_size=2"], deadline=300)
-    dpcp = ranks(4, train_on_ranks, tiny_recipe(tmp_path / "dp2cp2"), ["cp_size=2"], deadline=400)
+    ref, ref_grads, pin = ranks(1, train_pinned, tiny_recipe(tmp_path / "single"), [], deadline=300)[0]
+    cp2 = ranks(2, train_pinned, tiny_recipe(tmp_path / "cp2"), ["cp_size=2"], pin, deadline=300)
+    dpcp = ranks(4, train_pinned, tiny_recipe(tmp_path / "dp2cp2"), ["cp_size=2"], pin, deadline=400)
     w_ref = load_file(tmp_path / "single" / "final" / "model.safetensors")
     errs = {}
     for name, hist in (("cp2", cp2), ("dp2cp2", dpcp)):
         w = load_file(tmp_path / name / "final" / "model.safetensors")
         errs[name] = max_rel_err(w, w_ref)
-        for rank_hist, rank_grads in hist:  # every rank logs the same global loss and applies the same grads
+        for rank_hist, rank_grads, _ in hist:  # every rank logs the same global loss and applies the same grads
             assert len(rank_grads) == len(ref_grads) == 3
             for step_grads, step_ref in zip(rank_grads, ref_grads, strict=True):
                 gerr = max(float(abs(g - r).max() / max(abs(r).max(), 1e-30))

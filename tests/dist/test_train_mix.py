@@ -1,6 +1,10 @@
 """Training mixes under CP and DP: every loss term a mix adds (document-token loss weights on QA rows, a
 per-source loss weight, KL toward the frozen base on the documents, packed replay text) takes the same step
-at cp=2 and at dp=2 as in one process; and a mix resumes exactly."""
+at cp=2 and at dp=2 as in one process; and a mix resumes exactly.
+
+Steps after the first are compared at identical parameters: the CP and DP runs are pinned to the one-process run's
+parameters after each step (tests/training.py: train_pinned), so their step-k gradients differ from one process's
+only by what step k computes, with Adam's default-sized eps (tiny_recipe: 1e-6)."""
 
 from __future__ import annotations
 
@@ -8,11 +12,11 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.mix_data import mix_recipe, train_stopped_at, write_mix_inputs
-from tests.training import max_rel_err, ranks, train_on_ranks
+from tests.training import max_rel_err, ranks, train_on_ranks, train_pinned
 
 
 def _compare(ref, runs, label, ref_grads):
-    for rank_hist, rank_grads in runs:
+    for rank_hist, rank_grads, _ in runs:
         # the reduced gradients the optimizer applied, every step, relative to each tensor's largest element
         for step, (step_grads, step_ref) in enumerate(zip(rank_grads, ref_grads, strict=True), 1):
             errs = [float(abs(g - r).max() / max(abs(r).max(), 1e-30)) for g, r in zip(step_grads, step_ref,
@@ -29,9 +33,9 @@ def _compare(ref, runs, label, ref_grads):
 
 def test_mix_cp2_and_dp2_equal_single_process(tmp_path):
     paths = write_mix_inputs(tmp_path / "data")
-    ref, ref_grads = ranks(1, train_on_ranks, mix_recipe(paths, tmp_path / "one"), [], deadline=400)[0]
-    cp2 = ranks(2, train_on_ranks, mix_recipe(paths, tmp_path / "cp2"), ["cp_size=2"], deadline=400)
-    dp2 = ranks(2, train_on_ranks, mix_recipe(paths, tmp_path / "dp2"), [], deadline=400)
+    ref, ref_grads, pin = ranks(1, train_pinned, mix_recipe(paths, tmp_path / "one"), [], deadline=400)[0]
+    cp2 = ranks(2, train_pinned, mix_recipe(paths, tmp_path / "cp2"), ["cp_size=2"], pin, deadline=400)
+    dp2 = ranks(2, train_pinned, mix_recipe(paths, tmp_path / "dp2"), [], pin, deadline=400)
     _compare(ref, cp2, "cp2", ref_grads)
     _compare(ref, dp2, "dp2", ref_grads)
     w_ref = load_file(tmp_path / "one" / "final" / "model.safetensors")

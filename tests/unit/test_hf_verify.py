@@ -35,3 +35,24 @@ def test_verify_is_a_registered_verb():
     args = build_parser().parse_args(["verify", "--model", "tiny:qwen3", "--cp", "2", "--seq-len", "100"])
     assert (args.model, args.cp, args.seq_len, args.dtype, args.layout, args.strategy) == (
         "tiny:qwen3", 2, 100, "float32", "zigzag", "ring")
+
+
+def test_verify_names_the_layer_kinds_and_the_router_loss():
+    from longdoc.hf.verify import kinds_exercised
+
+    assert kinds_exercised({}, False) == []
+    assert kinds_exercised({"mamba": 1, "shortconv": 0, "new_kind": 2}, True) == [
+        "state passing (Mamba selective scan) and conv halos (1 layer)", "new_kind layers (2 layers)",
+        "router load-balancing loss (each rank's share of its tokens, summed over the group)"]
+
+
+def test_every_tiny_sparse_model_has_an_indexer_per_layer():
+    from longdoc import models
+    from longdoc.hf import kinds
+
+    assert models.TINY_SPARSE and set(models.TINY_SPARSE) <= set(models.TINY_NAMES)
+    for arch in models.TINY_SPARSE:
+        model = models.tiny_model(arch)
+        found = [k.name for _, _, k in kinds.find(model)]
+        assert found == ["dsa_indexer"] * model.config.num_hidden_layers, (arch, found)
+        assert model.config.index_topk < 40  # sparse at any sensible --seq-len
