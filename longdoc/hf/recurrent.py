@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from longdoc.hf import attention as backend
-from longdoc.parallel.recurrent import Segments, halo
+from longdoc.parallel.recurrent import Segments, by_row, halo
 
 _CACHE_KWARGS = ("cache", "cache_params", "past_key_values")
 
@@ -84,17 +84,11 @@ class Call:
         """fn(x, weight, ...) for a causal depthwise conv over x (batch, channels, local_len) with a halo of
         kernel - 1 tokens per piece, so it equals the shard of fn over the full rows; weight (channels, kernel)."""
         n = weight.shape[-1] - 1
-        segs = self.segments(x.shape[0], x.shape[-1])
-        if isinstance(segs, Segments):
-            ext, keep = halo(x, n, self.cp, segs, dim=-1)
-            return fn(ext, weight, *args, **kwargs).index_select(-1, keep)
-        # Rows packed differently: one halo per row (every rank loops alike).
-        return torch.cat([self.conv_row(fn, x[b:b + 1], seg, weight, *args, **kwargs)
-                          for b, seg in enumerate(segs)], dim=0)
-
-    def conv_row(self, fn, x, seg, weight, *args, **kwargs):
-        ext, keep = halo(x, weight.shape[-1] - 1, self.cp, seg, dim=-1)
-        return fn(ext, weight, *args, **kwargs).index_select(-1, keep)
+        outs = []
+        for rows, seg in by_row(self.segments(x.shape[0], x.shape[-1]), x.shape[0]):
+            ext, keep = halo(x[rows], n, self.cp, seg, dim=-1)
+            outs.append(fn(ext, weight, *args, **kwargs).index_select(-1, keep))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
 def forward(module, handle, original, args: tuple, kwargs: dict, routes: Callable[[Call], dict],

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from longdoc.parallel.recurrent import Segments, halo, tail
+from longdoc.parallel.recurrent import Segments, by_row, halo, tail
 
 _MISSING = object()
 
@@ -30,18 +30,11 @@ def shadowed(module: torch.nn.Module, **attributes) -> Iterator[None]:
                 setattr(module, name, value)
 
 
-def rows(segs: Segments | Sequence[Segments], batch: int) -> list[tuple[slice, Segments]]:
-    """(batch rows, their Segments): all rows at once when they share one layout, else one row at a time."""
-    if isinstance(segs, Segments):
-        return [(slice(0, batch), segs)]
-    return [(slice(b, b + 1), s) for b, s in enumerate(segs)]
-
-
 def shift(x: torch.Tensor, cp, segs: Segments | Sequence[Segments], dim: int = 1) -> torch.Tensor:
     """x shifted by one token along `dim` (each token replaced by the one before it in its document, zeros at a
     document start), as over the full rows: RWKV's time shift, nn.ZeroPad2d((0, 0, 1, -1))."""
     outs = []
-    for sl, seg in rows(segs, x.shape[0]):
+    for sl, seg in by_row(segs, x.shape[0]):
         ext, keep = halo(x[sl], 1, cp, seg, dim=dim)
         outs.append(ext.index_select(dim, keep - 1))
     return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
@@ -49,7 +42,7 @@ def shift(x: torch.Tensor, cp, segs: Segments | Sequence[Segments], dim: int = 1
 
 def last_token(x: torch.Tensor, cp, segs: Segments | Sequence[Segments], at: int, dim: int = 1) -> torch.Tensor:
     """The token before global position `at` (a row end), on every rank: x without its `dim`."""
-    return torch.cat([tail(x[sl], 1, cp, seg, at=at, dim=dim).select(dim, 0) for sl, seg in rows(segs, x.shape[0])])
+    return torch.cat([tail(x[sl], 1, cp, seg, at=at, dim=dim).select(dim, 0) for sl, seg in by_row(segs, x.shape[0])])
 
 
 def fresh(*tensors: torch.Tensor | None, empty: Sequence[float] | None = None) -> bool:
@@ -59,4 +52,4 @@ def fresh(*tensors: torch.Tensor | None, empty: Sequence[float] | None = None) -
     return all(t is None or bool((t == v).all()) for t, v in zip(tensors, values))
 
 
-__all__ = ["shadowed", "rows", "shift", "last_token", "fresh"]
+__all__ = ["shadowed", "shift", "last_token", "fresh"]

@@ -12,7 +12,7 @@ import torch
 
 from longdoc.hf import recurrent
 from longdoc.hf.kinds.base import LayerKind
-from longdoc.parallel.recurrent import Segments, halo, tail
+from longdoc.parallel.recurrent import Segments, by_row, halo, tail
 
 
 def _repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:  # (b, kv_heads, L, d) -> (b, kv_heads * n, L, d)
@@ -56,7 +56,7 @@ def cp_forward(module, handle, original, hidden_states, cache=None, conv_mask=No
     cache = cache if handle.session is not None else None
     if isinstance(segs, Segments):
         return _row(module, call, segs, hidden_states, cache)
-    rows = [_row(module, call, s, hidden_states[b:b + 1], None) for b, s in enumerate(segs)]
+    rows = [_row(module, call, s, hidden_states[sl], None) for sl, s in by_row(segs, hidden_states.shape[0])]
     return tuple(torch.cat(parts, dim=0) for parts in zip(*rows))
 
 

@@ -39,8 +39,8 @@ from longdoc.parallel.recurrent.diagonal import SSD, Selective
 from longdoc.parallel.recurrent.exchange import all_gather, anchor
 from longdoc.parallel.recurrent.halo import Halo, halo, tail
 from longdoc.parallel.recurrent.protocol import Recurrence, State, Summary
-from longdoc.parallel.recurrent.segments import Piece, Segments
+from longdoc.parallel.recurrent.segments import Piece, Segments, by_row
 from longdoc.parallel.recurrent.state import Result, run
 
-__all__ = ["Recurrence", "State", "Summary", "Segments", "Piece", "Result", "run", "halo", "tail", "Halo",
+__all__ = ["Recurrence", "State", "Summary", "Segments", "Piece", "by_row", "Result", "run", "halo", "tail", "Halo",
            "all_gather", "anchor", "SSD", "Selective"]

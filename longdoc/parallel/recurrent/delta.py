@@ -27,6 +27,8 @@ from typing import NamedTuple
 
 import torch
 
+from longdoc.parallel.recurrent.protocol import acc_dtype
+
 
 class DeltaPiece(NamedTuple):
     """One piece of tokens run from the augmented state: what the entering state is still needed for."""
@@ -48,7 +50,7 @@ def run_piece(kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     k_dim = k.shape[-1]
     # fp32 (or float64) in, so the kernel (which computes in fp32 anyway) hands back fp32 outputs: the correction
     # o0 + r S is then added before the one rounding to the model's dtype, as the single-process kernel rounds once.
-    acc = torch.promote_types(v.dtype, torch.float32)
+    acc = acc_dtype(v.dtype)
     q, k = q.to(acc), k.to(acc)
     v_aug = torch.cat([v.to(acc), v.new_zeros(*v.shape[:-1], k_dim, dtype=acc)], dim=-1)
     eye = torch.eye(k_dim, dtype=acc, device=v.device)

@@ -17,12 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from longdoc.parallel.recurrent.protocol import State, Summary
-
-
-def _acc(t: torch.Tensor) -> torch.Tensor:
-    """At least fp32 (what the scans accumulate in); float64 stays float64."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
+from longdoc.parallel.recurrent.protocol import State, Summary, acc, acc_dtype
 
 
 def _advance(state: State | None, summary: Summary) -> State:
@@ -57,7 +52,7 @@ class SSD:
         if self.dt_softplus:
             dt = F.softplus(dt)
         dt = torch.clamp(dt, min=self.dt_limit[0], max=self.dt_limit[1])
-        return _acc(self.A) * _acc(dt)
+        return acc(self.A) * acc(dt)
 
     def local(self, piece):
         x, dt, B, C = piece
@@ -70,10 +65,10 @@ class SSD:
     def finish(self, piece, y0, state):
         x, dt, B, C = piece
         (s,) = state
-        heads, acc = x.shape[2], torch.promote_types(_acc(C).dtype, s.dtype)
-        c = C.to(acc).repeat_interleave(heads // C.shape[2], dim=2)  # (b, L, heads, state)
-        decay = torch.exp(torch.cumsum(self.log_decay(dt), dim=1)).to(acc)  # (b, L, heads)
-        corr = torch.einsum("blhn,bhpn->blhp", c, s.to(acc)) * decay[..., None]
+        heads, dtype = x.shape[2], torch.promote_types(acc_dtype(C.dtype), s.dtype)
+        c = C.to(dtype).repeat_interleave(heads // C.shape[2], dim=2)  # (b, L, heads, state)
+        decay = torch.exp(torch.cumsum(self.log_decay(dt), dim=1)).to(dtype)  # (b, L, heads)
+        corr = torch.einsum("blhn,bhpn->blhp", c, s.to(dtype)) * decay[..., None]
         return y0 + corr.to(y0.dtype)
 
 
@@ -110,19 +105,19 @@ class Selective:
         return dt
 
     def local(self, piece):
-        x, dt, B, C = (_acc(t) for t in piece)
+        x, dt, B, C = (acc(t) for t in piece)
         y0, s0 = self.scan(x, dt, self.A, B, C, D=self.D, z=None, delta_bias=self.delta_bias,
                            delta_softplus=self.delta_softplus, return_last_state=True, **dict(self.extra))
-        log_t = _acc(self.A)[None] * self.step(dt).sum(dim=-1)[..., None]  # (b, channels, state)
-        return _acc(y0), (log_t, s0)
+        log_t = acc(self.A)[None] * self.step(dt).sum(dim=-1)[..., None]  # (b, channels, state)
+        return acc(y0), (log_t, s0)
 
     advance = staticmethod(_advance)
 
     def finish(self, piece, y0, state):
-        x, dt, B, C = (_acc(t) for t in piece)
+        x, dt, B, C = (acc(t) for t in piece)
         (s,) = state
-        acc = torch.promote_types(torch.promote_types(C.dtype, s.dtype), y0.dtype)
-        cum = torch.cumsum(self.step(dt).to(acc), dim=-1)  # (b, channels, L)
-        decay = torch.exp(self.A.to(acc)[None, :, None, :] * cum[..., None])  # (b, channels, L, state)
-        corr = torch.einsum("bdln,bdn,bnl->bdl", decay, s.to(acc), C.to(acc))
-        return y0.to(acc) + corr
+        dtype = torch.promote_types(torch.promote_types(C.dtype, s.dtype), y0.dtype)
+        cum = torch.cumsum(self.step(dt).to(dtype), dim=-1)  # (b, channels, L)
+        decay = torch.exp(self.A.to(dtype)[None, :, None, :] * cum[..., None])  # (b, channels, L, state)
+        corr = torch.einsum("bdln,bdn,bnl->bdl", decay, s.to(dtype), C.to(dtype))
+        return y0.to(dtype) + corr

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import torch
 
+from longdoc.parallel.recurrent.protocol import acc_dtype
+
 
 def run_piece(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope: torch.Tensor,
               block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(o0, U) of one piece from a zero state. q, k, v: (batch, heads, len, head_dim); slope: (heads, 1, 1)."""
     bsz, heads, length, dim = q.shape
     # the decay factors in fp32 (or wider), then the input dtype: as the module's buffers are made
-    slope = slope.to(_acc(slope.dtype))
+    slope = slope.to(acc_dtype(slope.dtype))
     kv = q.new_zeros(bsz, heads, dim, v.shape[-1])
     outs = []
     for start in range(0, length, block_size):
@@ -36,16 +38,12 @@ def run_piece(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope: torch.Te
         intra = torch.matmul(torch.matmul(qb, kb.transpose(-1, -2)) * diag, vb)
         outs.append(torch.matmul(qb * q_decay, kv) + intra)
         kv = kv * torch.exp(-slope * n).to(q.dtype) + torch.matmul((kb * k_decay).transpose(-1, -2), vb)
-    return torch.cat(outs, dim=2), kv.to(_acc(q.dtype))
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)  # fp32 for the low-precision dtypes, float64 kept
+    return torch.cat(outs, dim=2), kv.to(acc_dtype(q.dtype))
 
 
 def transition(slope: torch.Tensor, length: int) -> torch.Tensor:
     """T of a piece of `length` tokens: exp(-s L), (heads, 1, 1), fp32 or wider."""
-    return torch.exp(-slope.to(_acc(slope.dtype)) * length)
+    return torch.exp(-slope.to(acc_dtype(slope.dtype)) * length)
 
 
 def advance(state: torch.Tensor | None, decay: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
@@ -57,7 +55,7 @@ def finish(out0: torch.Tensor, q: torch.Tensor, slope: torch.Tensor, state: torc
     """The piece's output (batch, heads, len, head_dim), in q's dtype, when entered with `state`."""
     if state is None:
         return out0
-    acc = _acc(q.dtype)
+    acc = acc_dtype(q.dtype)
     idx = torch.arange(1, q.shape[2] + 1, device=q.device, dtype=acc)[:, None]
     read = torch.matmul(q.to(acc) * torch.exp(-slope.to(acc) * idx), state.to(acc))
     return (out0.to(acc) + read).to(q.dtype)

@@ -10,6 +10,17 @@ State = tuple[torch.Tensor, ...]  # a recurrent state: batch-first tensors (one 
 Summary = tuple[torch.Tensor, ...]  # a piece's summary: tensors whose shapes do not depend on its length
 
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype summaries and corrections accumulate in: fp32 for the low-precision dtypes, float64 kept, so a
+    piece's output is rounded once to the model's dtype, as one process's kernel rounds it."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def acc(t: torch.Tensor) -> torch.Tensor:
+    """`t` in its accumulation dtype (acc_dtype)."""
+    return t.to(acc_dtype(t.dtype))
+
+
 class Recurrence(Protocol):
     """One recurrent layer's maths on pieces (consecutive tokens of one document). All tensors batch first."""
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from longdoc.parallel import layout as layouts
@@ -95,3 +96,11 @@ def _of(cls, layout: str, world_size: int, seq_len: int, documents: layouts.Pack
     starts = set(documents.starts()[:-1]) if documents is not None else {0}
     starts.update(p for p in resets if 0 < p < seq_len)
     return cls(runs, tuple(sorted(starts | {0})))
+
+
+def by_row(segs: Segments | Sequence[Segments], batch: int) -> list[tuple[slice, Segments]]:
+    """(batch rows, their Segments): all rows at once when they share one layout, else one row at a time (rows
+    packed differently are laid out differently: every rank loops over them alike)."""
+    if isinstance(segs, Segments):
+        return [(slice(0, batch), segs)]
+    return [(slice(b, b + 1), s) for b, s in enumerate(segs)]
