@@ -39,6 +39,8 @@ test-latest:
 
 lock:
 	test -x $(LATEST_VENV)/bin/python || { echo "run make test-latest first: the lock records what it tested"; exit 2; }
+	# the transformers sources longdoc re-implements, as recorded or NEW (update with --update once reviewed)
+	$(LATEST_VENV)/bin/python -m longdoc.hf.upstream
 	$(LATEST_VENV)/bin/python -m longdoc.lockfile $(CONSTRAINTS)
 
 # The checks that need a GPU (longdoc/bench/gpucheck.py): pytest -m gpu, `longdoc bench gpu`, and one full-fine-tuning
