@@ -28,6 +28,10 @@ from longdoc.spawn import run_local
 TINY = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32)
 MODELS = {"tiny": "tiny:llama", "135m": "SmolLM2-135M-Instruct"}
+# SmolLM2-135M-Instruct's shape (its config.json): a run at reduced depth (TrainRun.layers) builds this shape with
+# random weights as a tiny:llama, so every per-layer and per-token byte is the 135M model's
+SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                    head_dim=64, tie_word_embeddings=True, rms_norm_eps=1e-5)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +49,10 @@ class TrainRun:
     # pinned in the recipe (train.mixed_precision) so the planner predicts the run that happens; the default
     # is what `longdoc plan --gpu cpu` assumes: what `auto` picks on this machine (bf16 on native-bf16 CPUs)
     precision: Precision = field(default_factory=cpu_precision)
+    fsdp: bool = False  # train.fsdp: weights, gradients and AdamW moments sharded over the ranks (FSDP2 on gloo)
+    tiled_mlp: bool = False  # train.tiled_mlp
+    offload: bool = False  # train.offload_checkpoints (on CPU host == device: the hooks run, nothing moves)
+    layers: int | None = None  # decoder layers (None: the model's own); fewer keep long runs short
 
     def __post_init__(self):
         if self.model not in MODELS:
@@ -60,13 +68,18 @@ class TrainRun:
         extra = ("" if self.checkpointing else " noAC") + (" LoRA" if self.lora else "")
         extra += "" if self.loss_chunk == 1024 else f" CE{self.loss_chunk}"
         extra += "" if self.release_memory else " glibc-default"
+        extra += (" FSDP" if self.fsdp else "") + (" tiledMLP" if self.tiled_mlp else "")
+        extra += (" offload" if self.offload else "") + ("" if self.layers is None else f" L{self.layers}")
         extra += "" if self.precision == cpu_precision() else f" {self.precision}"  # named when not the default
         return f"{self.model} cp{self.cp} {self.seq_len // 1024}k{extra}"
 
     def recipe(self, output_dir: str) -> dict:
         model: dict = {"name": MODELS[self.model]}
         if self.model == "tiny":
-            model["overrides"] = dict(TINY)
+            model["overrides"] = dict(TINY) | ({} if self.layers is None else {"num_hidden_layers": self.layers})
+        elif self.layers is not None:
+            model = {"name": MODELS["tiny"], "overrides": SMOLLM2_135M | {
+                "num_hidden_layers": self.layers, "max_position_embeddings": max(8192, self.seq_len)}}
         elif self.seq_len > 8192:  # SmolLM2's native context is 8k
             model.update(rope_type="yarn", rope_factor=float(2 ** max(0, (self.seq_len - 1).bit_length() - 13)))
         return {
@@ -78,7 +91,8 @@ class TrainRun:
             "optim": {"warmup_steps": 0},
             "train": {"steps": self.steps, "batch_size": 1, "activation_checkpointing": self.checkpointing,
                       "loss_chunk_tokens": self.loss_chunk, "release_freed_memory": self.release_memory,
-                      "mixed_precision": "no" if self.precision == "fp32" else self.precision},
+                      "mixed_precision": "no" if self.precision == "fp32" else self.precision,
+                      "fsdp": self.fsdp, "tiled_mlp": self.tiled_mlp, "offload_checkpoints": self.offload},
             "checkpoint": {"every": 0, "at_end": False, "export": False},
             "log": {"progress": False, "tensorboard": False, "plot": False},
         }
