@@ -169,5 +169,5 @@ def _prepare(args: argparse.Namespace) -> int:
         print(parts_summary(ds.select_columns([c for c in ds.column_names if c.endswith("_tokens") or
                                                c == "chat_parts"]).to_dict()))
     if skips is not None:
-        print(skips.summary(), file=sys.stderr if skips.total else sys.stdout)
+        print(skips.report(), file=sys.stderr if skips.total else sys.stdout)
     return 0

@@ -52,15 +52,18 @@ _TEXT_FIELDS = ("text", "document", "content")
 
 @dataclass
 class Skips:
-    """Counts what `--skip-bad` left out, by reason, with the first few messages."""
+    """What `--skip-bad` left out: counts by reason and every message (each names its file or record)."""
 
     counts: Counter = field(default_factory=Counter)
-    examples: list[str] = field(default_factory=list)
+    messages: list[str] = field(default_factory=list)
 
     def add(self, err: CorpusError) -> None:
         self.counts[err.reason] += 1
-        if len(self.examples) < 5:
-            self.examples.append(str(err))
+        self.messages.append(str(err))
+
+    @property
+    def examples(self) -> list[str]:
+        return self.messages[:5]
 
     @property
     def total(self) -> int:
@@ -71,6 +74,10 @@ class Skips:
             return "skipped nothing"
         reasons = ", ".join(f"{n} {r}" for r, n in sorted(self.counts.items()))
         return f"skipped {self.total} bad item(s): {reasons}; first: " + " | ".join(self.examples)
+
+    def report(self) -> str:
+        """The summary, then every skipped item on a line of its own (nothing is left out unnamed)."""
+        return "\n".join([self.summary(), *(f"  skipped {m}" for m in self.messages)])
 
 
 @dataclass(frozen=True)

@@ -201,3 +201,16 @@ def test_cli_prepare_on_a_mixed_folder(tmp_path, capsys):
     ds = datasets.load_dataset("parquet", data_files=str(tmp_path / "rows.parquet"), split="train")
     assert sorted(d for ids in ds["doc_ids"] for d in ids) == ["contract.pdf", "history.docx", "lease.html",
                                                               "notes.txt"]
+
+
+def test_every_skipped_file_is_named_not_just_the_first_few(tmp_path, capsys):
+    from longdoc.cli import main
+
+    mixed_folder(tmp_path / "docs")
+    bad = [f"scan{i}.png" for i in range(7)]  # more than the summary line's first five
+    for name in bad:
+        (tmp_path / "docs" / name).write_bytes(b"x")
+    assert main(["data", "prepare", str(tmp_path / "docs"), "--target-tokens", "256", "--cache-dir",
+                 str(tmp_path / "cache"), "--out", str(tmp_path / "rows.jsonl"), "--skip-bad"]) == 0
+    err = capsys.readouterr().err
+    assert all(name in err for name in [*bad, "scan.png"]), err
