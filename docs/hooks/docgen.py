@@ -194,13 +194,14 @@ def gpu_check_markdown(data: dict) -> str:
     runs = [r for r in step.get("runs", []) if "step_s" in r]
     if runs:
         lines += ["", f"Full fine-tuning step, {step.get('model')} at {step.get('seq_len'):,} tokens "
-                      f"(planner: peak {step.get('predicted_peak_gib', float('nan')):.2f} GiB, "
+                      f"(planner without offload: peak {step.get('predicted_peak_gib', float('nan')):.2f} GiB, "
                       f"{step.get('predicted_step_s', float('nan')):.2f} s):", "",
-                  "| offload | step s | peak GiB | peak / predicted |", "|---|---:|---:|---:|"]
+                  "| offload | step s | peak GiB | predicted GiB | peak / predicted |", "|---|---:|---:|---:|---:|"]
         for r in runs:
             peak = f"{r['peak_gib']:.2f}" if "peak_gib" in r else "-"
+            predicted = f"{r['predicted_peak_gib']:.2f}" if "predicted_peak_gib" in r else "-"
             ratio = f"{r['peak_vs_predicted']:.3f}" if "peak_vs_predicted" in r else "-"
-            lines.append(f"| {'on' if r['offload'] else 'off'} | {r['step_s']:.2f} | {peak} | {ratio} |")
+            lines.append(f"| {'on' if r['offload'] else 'off'} | {r['step_s']:.2f} | {peak} | {predicted} | {ratio} |")
     return "\n".join(lines)
 
 

@@ -46,9 +46,13 @@ def run_shape(run: TrainRun) -> ModelShape:
 
 
 def setup_for(run: TrainRun) -> Setup:
-    # The runs are launched ranks, so Accelerate wraps even cp=1 in DDP (gradient buckets P_t*4).
-    return Setup(shape=run_shape(run), seq_len=run.seq_len, cp=run.cp, dp=1, checkpointing=run.checkpointing,
-                 loss_chunk=run.loss_chunk, lora=run.lora, device="cpu", precision=run.precision, ddp=True)
+    # The runs are launched ranks, so Accelerate wraps even cp=1 in DDP (gradient buckets P_t*4) unless FSDP shards.
+    shape = run_shape(run)
+    if run.layers is not None:
+        shape = shape.with_layers(run.layers)
+    return Setup(shape=shape, seq_len=run.seq_len, cp=run.cp, dp=1, checkpointing=run.checkpointing,
+                 loss_chunk=run.loss_chunk, lora=run.lora, device="cpu", precision=run.precision, ddp=True,
+                 fsdp=run.fsdp, tiled_mlp=run.tiled_mlp, offload=run.offload)
 
 
 def predict(run: TrainRun) -> MemoryEstimate:

@@ -63,12 +63,13 @@ def run_kernels(cuda: bool) -> dict[str, Any]:
     return {"status": "ran", "result": gpu.run(cfg, print)}
 
 
-def _plan(model: str, seq_len: int, device: str, cap_gib: float | None):
+def _plan(model: str, seq_len: int, device: str, cap_gib: float | None, offload: bool = False):
+    """The planner's prediction for the step `train_step` takes (no tiled MLP; the offload as run)."""
     from longdoc.plan.planner import PlanRequest, plan
 
     gpu = "h200" if device == "cuda" else "cpu"
     return plan(PlanRequest(model=model, seq_len=seq_len, gpus=1, gpu=gpu, cp=1, checkpointing=True,
-                            memory_gib=cap_gib))
+                            memory_gib=cap_gib, offload=offload, tiled_mlp=False))
 
 
 def longest_length(model: str, device: str, cap_gib: float | None) -> int:
@@ -77,7 +78,7 @@ def longest_length(model: str, device: str, cap_gib: float | None) -> int:
 
     gpu = "h200" if device == "cuda" else "cpu"
     return longest_fitting(PlanRequest(model=model, seq_len=1 << 21, gpus=1, gpu=gpu, cp=1, checkpointing=True,
-                                       memory_gib=cap_gib))
+                                       memory_gib=cap_gib, offload=False, tiled_mlp=False))
 
 
 def _offload():
@@ -165,8 +166,11 @@ def run_step(cuda: bool, dry_run: bool) -> dict[str, Any]:
             run = train_step(config, seq_len, device, offload)
         except torch.cuda.OutOfMemoryError as err:  # a measurement too: the planner was wrong
             run = {"offload": offload, "status": "out of memory", "why": str(err).splitlines()[0]}
-        if "peak_gib" in run and "predicted_peak_gib" in out:
-            run["peak_vs_predicted"] = run["peak_gib"] / out["predicted_peak_gib"]
+        predicted = _plan(model, seq_len, device, cap, offload=offload).best
+        if predicted is not None:
+            run["predicted_peak_gib"] = predicted.to_dict()["peak_gib"]
+        if "peak_gib" in run and "predicted_peak_gib" in run:
+            run["peak_vs_predicted"] = run["peak_gib"] / run["predicted_peak_gib"]
         out["runs"].append(run)
     if not cuda:
         out["why"] = "dry run on the CPU: a tiny config; GPU memory is measured only on a device"

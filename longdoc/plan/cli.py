@@ -10,6 +10,7 @@ Formulas: longdoc/plan/memory.py and timing.py (README "Planning" works an examp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -57,6 +58,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="tokens per sequence that carry a label (default: all, as in pretraining; a QA row: its "
                         "answers, e.g. 125 for a 32k case file with 16 questions): the chunked loss builds logits "
                         "only for them")
+    p.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
+                   help="layer checkpoints in host memory, fetched one layer ahead (train.offload_checkpoints; "
+                        "default: consider both on GPUs, recommended only when needed to fit)")
+    p.add_argument("--tiled-mlp", action=argparse.BooleanOptionalAction, default=None,
+                   help="the MLP over token tiles with recompute (train.tiled_mlp; default: consider both, "
+                        "recommended only when needed to fit)")
+    p.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None,
+                   help="shard weights, gradients and AdamW moments over dp x cp (train.fsdp; default: FSDP2 for full "
+                        "fine-tuning on GPUs; on CPU both are considered)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="plan the model at this depth (reduced-depth benchmark runs; default: the model's own)")
+    p.add_argument("--longest", action="store_true",
+                   help="also search the longest sequence (a multiple of 1,024) that fits as the options allow")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per forward pass per replica")
     p.add_argument("--all", action="store_true", help="list every candidate configuration")
     p.add_argument("--json", action="store_true", help="print the full plan as JSON")
@@ -64,7 +78,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from longdoc.plan.planner import PlanRequest, plan
+    from longdoc.plan.planner import PlanRequest, longest_fitting, plan
 
     try:
         req = PlanRequest(model=args.model, seq_len=args.seq_len, gpus=args.gpus, gpu=args.gpu,
@@ -72,16 +86,22 @@ def _main(args: argparse.Namespace) -> int:
                           cp=args.cp, dp=args.dp, strategy=args.strategy, ulysses_size=args.ulysses_size,
                           chunked_loss=not args.no_chunked_loss,
                           loss_chunk=args.loss_chunk, loss_tokens=args.loss_tokens, micro_batch=args.micro_batch,
-                          memory_gib=args.memory_gib,
+                          memory_gib=args.memory_gib, offload=args.offload, tiled_mlp=args.tiled_mlp,
+                          fsdp=args.fsdp, layers=args.layers,
                           precision=args.precision)
         result = plan(req)
+        longest = longest_fitting(dataclasses.replace(req, seq_len=max(req.seq_len, 1 << 24))) if args.longest \
+            else None
     except ValueError as e:
         print(f"longdoc plan: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        print(json.dumps(result.to_dict() | ({"longest_fitting": longest} if args.longest else {}), indent=2))
     else:
         from longdoc.plan.report import render_plan
 
         print(render_plan(result, show_all=args.all))
+        if longest is not None:
+            print(f"longest sequence that fits as the options allow: {longest:,} tokens" if longest else
+                  "no sequence length fits as the options allow")
     return 0 if result.best is not None else 1

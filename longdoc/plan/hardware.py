@@ -1,7 +1,8 @@
 """Devices and links the planner knows, and the efficiency assumptions its step-time estimate uses.
 
 Peak numbers are the vendors' dense bf16 figures; memory is what `nvidia-smi` reports as total
-(H100 SXM 81,559 MiB, H200 SXM 143,771 MiB, A100 SXM 81,920 MiB). Bandwidths are per GPU and per
+(H100 SXM 81,559 MiB, H200 SXM 143,771 MiB, A100 SXM 81,920 MiB). Host links: PCIe Gen5 x16 64 GB/s per
+direction (H100/H200), Gen4 x16 32 GB/s (A100). Bandwidths are per GPU and per
 direction: NVLink 4 (H100/H200) 450 GB/s, NVLink 3 (A100) 300 GB/s; InfiniBand one NIC per GPU,
 NDR 400 Gb/s = 50 GB/s (H100/H200), HDR 200 Gb/s = 25 GB/s (A100). "cpu" describes one local
 process of this project's CPU runs (1 thread, gloo over loopback), for planning CPU runs, in one of two
@@ -40,6 +41,7 @@ class Device:
     hbm_gbps: float  # memory bandwidth, GB/s (optimizer step)
     nvlink_gbps: float  # per direction, between GPUs of one node
     ib_gbps: float  # per GPU NIC, between nodes
+    host_gbps: float = 0.0  # device <-> host memory, per direction (PCIe, nominal): the checkpoint offload's link
     gpu: bool  # a GPU (FSDP2, foreach AdamW, NCCL) rather than a local CPU process
     compute_bytes: int  # bytes per matmul activation element: bf16 on GPUs and under CPU autocast, fp32 on CPU
     weight_bytes: int  # bytes per frozen weight element (LoRA base): bf16 on GPUs, fp32 on CPU (autocast casts
@@ -65,11 +67,14 @@ class Device:
 
 DEVICES: dict[str, Device] = {
     "h100": Device(name="H100 SXM 80GB", memory_gib=79.65, peak_tflops=989.0, hbm_gbps=3350.0, nvlink_gbps=450.0,
-                   ib_gbps=50.0, gpu=True, compute_bytes=2, weight_bytes=2, runtime_gib=1.5, slack=0.10),
+                   ib_gbps=50.0, host_gbps=64.0, gpu=True, compute_bytes=2, weight_bytes=2, runtime_gib=1.5,
+                   slack=0.10),
     "h200": Device(name="H200 SXM 141GB", memory_gib=140.4, peak_tflops=989.0, hbm_gbps=4800.0, nvlink_gbps=450.0,
-                   ib_gbps=50.0, gpu=True, compute_bytes=2, weight_bytes=2, runtime_gib=1.5, slack=0.10),
+                   ib_gbps=50.0, host_gbps=64.0, gpu=True, compute_bytes=2, weight_bytes=2, runtime_gib=1.5,
+                   slack=0.10),
     "a100": Device(name="A100 SXM 80GB", memory_gib=80.0, peak_tflops=312.0, hbm_gbps=2039.0, nvlink_gbps=300.0,
-                   ib_gbps=25.0, gpu=True, compute_bytes=2, weight_bytes=2, runtime_gib=1.5, slack=0.10),
+                   ib_gbps=25.0, host_gbps=32.0, gpu=True, compute_bytes=2, weight_bytes=2, runtime_gib=1.5,
+                   slack=0.10),
     # One gloo rank with 1 thread. runtime_gib: RSS of a training process before its first step, less its
     # weights (Python, torch, transformers, accelerate, gloo), measured on this project's machines; assumes
     # freed memory goes back to the OS (longdoc.train.metrics.return_freed_memory).

@@ -91,6 +91,10 @@ class Setup:
     fsdp: bool | None = None  # None: the trainer's choice (FSDP2 for full fine-tuning on GPU)
     ddp: bool | None = None  # None: DDP when several ranks and no FSDP. Under a launcher Accelerate wraps even
     #                          a single process in DDP (its gradient buckets included), so CPU runs pass True.
+    offload: bool = False  # train.offload_checkpoints: layer checkpoints in (pinned) host memory, fetched one layer
+    #                        ahead of the recompute (GPUs; on a CPU the host is the device and nothing moves)
+    tiled_mlp: bool = False  # train.tiled_mlp: the MLP over token tiles with recompute (longdoc.hf.tiled_mlp)
+    mlp_tile: int | None = None  # tokens per MLP tile (None: the hidden size, train.mlp_tile_tokens' default)
 
     def __post_init__(self):
         check_precision(self.precision)
@@ -107,6 +111,10 @@ class Setup:
             raise ValueError("loss_chunk must be positive (or None for no chunking)")
         if self.loss_tokens is not None and self.loss_tokens < 1:
             raise ValueError("loss_tokens must be positive (or None: every token has a label)")
+        if self.offload and not self.checkpointing:
+            raise ValueError("offload moves the layer checkpoints to host memory, so it needs checkpointing")
+        if self.mlp_tile is not None and self.mlp_tile < 1:
+            raise ValueError("mlp_tile must be positive (or None: the hidden size)")
 
     @property
     def dev(self) -> Device:
@@ -144,6 +152,16 @@ class Setup:
     def tokens(self) -> int:
         """N: tokens each rank holds."""
         return self.micro_batch * self.padded_len // self.cp
+
+    @property
+    def offloads(self) -> bool:
+        """Checkpoints leave the device: offload on a GPU (a CPU's host memory is its device memory)."""
+        return self.offload and self.dev.is_gpu
+
+    @property
+    def mlp_tokens(self) -> int:
+        """Tokens the MLP's intermediate tensors span at once: one tile when tiled, else all N."""
+        return min(self.tokens, self.mlp_tile or self.shape.hidden) if self.tiled_mlp else self.tokens
 
     @property
     def chunk(self) -> int:
@@ -237,12 +255,18 @@ def estimate(s: Setup) -> MemoryEstimate:
         state.append(T("DDP gradient buckets", "grads", f"P_t*4 = {p_t:,}*4", p_t * 4))
     runtime = T("runtime", "runtime", f"{dev.name}: {dev.runtime_gib} GiB", dev.runtime_gib * GIB)
 
-    a_tok = layer_bytes_per_token(sh, c, s.lora, s.lora_rank, s.lora_targets, autocast=dev.autocast)
+    a_tok = layer_bytes_per_token(sh, c, s.lora, s.lora_rank, s.lora_targets, autocast=dev.autocast,
+                                  tiled_mlp=s.tiled_mlp)
+    t_mlp = s.mlp_tokens
     a = a_tok * n
     rotary = T("rotary cos/sin", "activations", f"2*N*rotary_dim*{rs} = 2*{n:,}*{sh.rotary_dim}*{r}",
                2 * n * sh.rotary_dim * r)
 
     def saved(layers: int) -> Term:
+        if s.checkpointing and s.offloads:  # the layer being copied out / recomputed and the one fetched ahead
+            k = min(layers, 2)
+            return T(f"checkpoints on the device ({k} of {layers} layers, the rest in host memory)", "activations",
+                     f"{k}*N*h*{rs} = {k}*{n:,}*{h}*{r}", k * n * h * r)
         if s.checkpointing:
             return T(f"checkpoints ({layers} layers)", "activations", f"{layers}*N*h*{rs} = {layers}*{n:,}*{h}*{r}",
                      layers * n * h * r)
@@ -263,8 +287,9 @@ def estimate(s: Setup) -> MemoryEstimate:
 
     # forward of the last layer: every checkpoint + that layer's largest temporaries (gate, up, act)
     casts = _autocast_weights(s)
+    tn = "T" if s.tiled_mlp else "N"  # the MLP's intermediates span one tile of T tokens when tiled
     forward = [*state, saved(nl), rotary, *casts["forward"], T("layer forward temporaries", "activations",
-                                            f"3*c*N*I = 3*{c}*{n:,}*{i:,}", 3 * c * n * i), *fsdp_root]
+                                            f"3*c*{tn}*I = 3*{c}*{t_mlp:,}*{i:,}", 3 * c * t_mlp * i), *fsdp_root]
     if s.uses_fsdp:
         forward.append(T("FSDP layers gathered (current + prefetched)", "fsdp_buffers",
                          f"2*P_l*c = 2*{p_l:,}*{c}", 2 * p_l * c))
@@ -279,9 +304,14 @@ def estimate(s: Setup) -> MemoryEstimate:
         loss.append(head_grad)
 
     # backward of layer j (n-1 first): inputs of layers 0..j, gradients of the layers above, layer j's tensors
-    mlp_tmp = 2 * c * n * i + 2 * r * n * h
+    # tiled: one tile recomputed with grad (its 4cTI saved + 2cTI gradients) beside the whole input gradient
+    mlp_tmp = (6 if s.tiled_mlp else 2) * c * t_mlp * i + 2 * r * n * h
+    mlp_formula = (f"6cTI + 2{rs}Nh = 6*{c}*{t_mlp:,}*{i:,} + 2*{r}*{n:,}*{h}" if s.tiled_mlp
+                   else f"2cNI + 2{rs}Nh = 2*{n:,}*({c}*{i} + {r}*{h})")
     comm, comm_formula = _comm_buffers(s)
-    attn_tmp = 4 * n * q + 2 * c * n * q - 4 * c * n * i  # the MLP's saved part (4cNI) is freed by then
+    # the MLP's saved part (4cNI) is freed by then (tiled: it was never saved)
+    freed = 0 if s.tiled_mlp else 4 * c * n * i
+    attn_tmp = 4 * n * q + 2 * c * n * q - freed
     grad_layer = (lora_params_per_layer(sh, s.lora_rank, s.lora_targets) if s.lora else p_l) * 4 / S
 
     def backward_at(j: int) -> list[Term]:
@@ -297,11 +327,11 @@ def estimate(s: Setup) -> MemoryEstimate:
                            a - alias))
         if attn_tmp + comm > mlp_tmp:
             terms += [T("attention backward workspace", "activations",
-                        f"4Nq + 2cNq - 4cNI = {n:,}*(4*{q} + 2*{c}*{q} - 4*{c}*{i})", attn_tmp),
+                        f"4Nq + 2cNq - freed MLP = {n:,}*(4*{q} + 2*{c}*{q}) - {freed:,}", attn_tmp),
                       T(f"{s.strategy} buffers", "comm_buffers", comm_formula, comm)]
         else:
-            terms.append(T("MLP backward temporaries", "activations",
-                           f"2cNI + 2{rs}Nh = 2*{n:,}*({c}*{i} + {r}*{h})", mlp_tmp))
+            terms.append(T("tiled MLP backward (one tile)" if s.tiled_mlp else "MLP backward temporaries",
+                           "activations", mlp_formula, mlp_tmp))
         above = nl - 1 - j
         if above:
             terms.append(T(f"gradients ({above} layers)", "grads", f"{above}*P_l_t*4/S", above * grad_layer))
@@ -368,6 +398,11 @@ def _notes(s: Setup) -> list[str]:
     if s.shape.max_positions and s.seq_len > s.shape.max_positions:
         notes.append(f"seq_len {s.seq_len} exceeds the model's context ({s.shape.max_positions}); train with "
                      f"model.rope_type=yarn and a rope_factor")
+    if s.offloads:
+        host = s.shape.layers * s.tokens * s.shape.hidden * s.c
+        notes.append(f"offloaded layer checkpoints take {host / GIB:.1f} GiB of (pinned) host memory per rank")
+    elif s.offload:
+        notes.append("offload on a CPU: host memory is the device's, so the checkpoints weigh the same")
     if s.padded_len != s.seq_len:
         notes.append(f"the sequence is padded from {s.seq_len} to {s.padded_len} tokens (a multiple of "
                      f"{num_chunks(s.layout, s.cp)})")

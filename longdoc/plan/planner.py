@@ -36,6 +36,9 @@ from longdoc.plan.shapes import ModelShape, model_shape
 from longdoc.plan.timing import StepTime, estimate_time
 
 TIE = 0.03
+# GPU figures are formulas until a device measures them: where some configurations fit with this fraction of the
+# device to spare, the recommendation is made among those (a 92%-full plan is one fragmentation away from OOM)
+GPU_HEADROOM = 0.15
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +62,12 @@ class PlanRequest:
     # None: what training would use: bf16 on GPUs; on "cpu" what `train.mixed_precision: auto` picks on this
     # machine (bf16 autocast on native-bf16 CPUs, else fp32). Resolved at construction, so the plan names it.
     precision: Precision | None = None
+    # None: consider both where they can help (offload: on GPUs, with checkpointing), and recommend them only when
+    # a run needs them to fit (near ties go to the configuration without: they cost copies and recompute)
+    offload: bool | None = None
+    tiled_mlp: bool | None = None
+    fsdp: bool | None = None  # None: FSDP2 for full fine-tuning on GPUs; on CPU both are considered (train.fsdp)
+    layers: int | None = None  # plan the model at this depth (the benchmarks' reduced-depth runs)
 
     def __post_init__(self):
         device(self.gpu)
@@ -82,6 +91,13 @@ class PlanRequest:
             value = getattr(self, name)
             if value is not None and (value < 1 or self.gpus % value):
                 raise ValueError(f"--{name} {value} must divide --gpus {self.gpus}; choose among {divisors(self.gpus)}")
+        if self.offload and self.checkpointing is False:
+            raise ValueError("--offload moves the layer checkpoints to host memory: it needs --checkpointing")
+        if self.fsdp and self.lora:
+            raise ValueError("--fsdp shards full fine-tuning's state; with --lora the trainable state is small and "
+                             "the frozen base is not sharded by longdoc's trainer")
+        if self.layers is not None and self.layers < 1:
+            raise ValueError(f"--layers must be at least 1, got {self.layers}")
         if self.cp and self.dp and self.cp * self.dp != self.gpus:
             raise ValueError(f"--cp {self.cp} x --dp {self.dp} = {self.cp * self.dp} must equal --gpus {self.gpus}")
 
@@ -115,7 +131,21 @@ class Candidate:
         return (f"cp={s.cp} dp={s.dp} {kind} {s.layout}, activation checkpointing "
                 f"{'on' if s.checkpointing else 'off'}, "
                 + (f"chunked loss ({s.loss_chunk} tokens)" if s.loss_chunk else "full logits (no chunked loss)")
-                + (", LoRA" if s.lora else "") + (", FSDP2" if s.uses_fsdp else ""))
+                + (", LoRA" if s.lora else "") + (", FSDP2" if s.uses_fsdp else "")
+                + (", checkpoints offloaded to host" if s.offload else "") + (", tiled MLP" if s.tiled_mlp else ""))
+
+    def recipe_keys(self) -> str:
+        """The recipe overrides that train this configuration (`longdoc train RECIPE key=value ...`)."""
+        s = self.setup
+        keys = [f"cp_size={s.cp}", f"train.strategy={s.strategy}",
+                f"train.activation_checkpointing={str(s.checkpointing).lower()}"]
+        if s.strategy == "usp":
+            keys.append(f"train.ulysses_size={s.ulysses_size}")
+        keys += [f"train.fsdp={str(s.uses_fsdp).lower()}", f"train.offload_checkpoints={str(s.offload).lower()}",
+                 f"train.tiled_mlp={str(s.tiled_mlp).lower()}"]
+        if s.loss_chunk:
+            keys.append(f"train.loss_chunk_tokens={s.loss_chunk}")
+        return " ".join(keys)
 
     def to_dict(self) -> dict:
         s = self.setup
@@ -123,6 +153,7 @@ class Candidate:
             "cp": s.cp, "dp": s.dp, "strategy": s.strategy, "ulysses_size": s.ulysses_size,
             "layout": s.layout, "checkpointing": s.checkpointing,
             "loss_chunk": s.loss_chunk, "lora": s.lora, "fsdp": s.uses_fsdp, "tokens_per_rank": s.tokens,
+            "offload": s.offload, "tiled_mlp": s.tiled_mlp, "recipe_keys": self.recipe_keys(),
             "fits": self.fits, "peak_gib": self.memory.total_gib, "peak_phase": self.memory.peak_phase,
             "allocator_gib": self.memory.allocator_gib,
             "breakdown_gib": {k: v / GIB for k, v in self.memory.breakdown.items()},
@@ -189,9 +220,25 @@ def _layouts(req: PlanRequest, shape: ModelShape, cp: int) -> list[tuple[str, in
     return out
 
 
+def _memory_options(req: PlanRequest) -> list[tuple[bool, bool, bool, bool | None]]:
+    """(checkpointing, offload, tiled MLP, fsdp) combinations open to the request."""
+    gpu = device(req.gpu).is_gpu
+    acs = [req.checkpointing] if req.checkpointing is not None else [False, True]
+    tiles = [req.tiled_mlp] if req.tiled_mlp is not None else [False, True]
+    # FSDP: a GPU's default is the trainer's (FSDP2 for full fine-tuning); on CPU train.fsdp is opt-in: both
+    fsdps: list[bool | None] = [req.fsdp] if req.fsdp is not None or gpu or req.lora or req.gpus == 1 \
+        else [False, True]
+    out = []
+    for ac in acs:
+        # offload helps only where the host is not the device; pinned on, it is planned as asked
+        offs = [req.offload] if req.offload is not None else [False, True] if gpu and ac else [False]
+        out += [(ac, off, tile, fs) for off in offs if ac or not off for tile in tiles for fs in fsdps]
+    return out
+
+
 def _setups(req: PlanRequest, shape: ModelShape) -> list[Setup]:
     cps = [req.cp] if req.cp else [req.gpus // req.dp] if req.dp else divisors(req.gpus)
-    acs = [req.checkpointing] if req.checkpointing is not None else [False, True]
+    options = _memory_options(req)
     out = []
     for cp in cps:
         layouts = _layouts(req, shape, cp) if not (req.strategy and req.cp is None) else \
@@ -200,9 +247,9 @@ def _setups(req: PlanRequest, shape: ModelShape) -> list[Setup]:
                       strategy=st, ulysses_size=u, checkpointing=ac,
                       loss_chunk=(req.loss_chunk or loss_chunk_tokens(shape.vocab)) if req.chunked_loss else None,
                       loss_tokens=req.loss_tokens,
-                      lora=req.lora, device=req.gpu,
+                      lora=req.lora, device=req.gpu, offload=off, tiled_mlp=tile, fsdp=fs,
                       precision=req.precision)
-                for st, u in layouts for ac in acs]
+                for st, u in layouts for ac, off, tile, fs in options]
     if not out:
         raise ValueError(f"--strategy {req.strategy} is open at no cp dividing --gpus {req.gpus}: Ulysses needs as "
                          f"many query heads as its ranks ({shape.heads}), usp a factor 1 < U < cp")
@@ -218,16 +265,22 @@ def _open_layouts(req: PlanRequest, shape: ModelShape, cp: int) -> list[tuple[st
 
 
 def _rank_key(c: Candidate) -> tuple:
-    # near ties: the smaller cp (more replicas), no checkpointing, then simply the faster; the strategy order
-    # (ring, allgather, ulysses, usp) only settles exact ties
+    # near ties: the smaller cp (more replicas), no checkpointing, no offload, no tiled MLP, no CPU FSDP (each costs
+    # copies, recompute or collectives), then simply the faster; the strategy order (ring, allgather, ulysses,
+    # usp) only settles exact ties
     s = c.setup
-    return (s.cp, s.checkpointing, round(c.time.total, 6), STRATEGIES.index(s.strategy), -(s.ulysses_size or 0))
+    cpu_fsdp = s.uses_fsdp and not s.dev.is_gpu
+    return (s.cp, s.checkpointing, s.offload, s.tiled_mlp, cpu_fsdp, round(c.time.total, 6),
+            STRATEGIES.index(s.strategy), -(s.ulysses_size or 0))
 
 
 def choose(candidates: list[Candidate]) -> Candidate | None:
     fitting = [c for c in candidates if c.fits]
     if not fitting:
         return None
+    roomy = [c for c in fitting if not c.setup.dev.is_gpu
+             or c.memory.total_gib <= (1 - GPU_HEADROOM) * c.capacity_gib]
+    fitting = roomy or fitting
     top = max(c.time.tokens_per_s for c in fitting)
     near = [c for c in fitting if c.time.tokens_per_s >= (1 - TIE) * top]
     return min(near, key=_rank_key)
@@ -235,6 +288,8 @@ def choose(candidates: list[Candidate]) -> Candidate | None:
 
 def evaluate(req: PlanRequest, shape: ModelShape | None = None) -> Plan:
     shape = shape or model_shape(req.model)
+    if req.layers is not None:
+        shape = shape.with_layers(req.layers)
     cands = []
     for s in _setups(req, shape):
         cands.append(Candidate(setup=s, memory=estimate(s), time=estimate_time(s, req.interconnect),
@@ -311,6 +366,9 @@ def _suggestions(req: PlanRequest, result: Plan) -> list[str]:
     options = (("--checkpointing", {"checkpointing": True}, req.checkpointing is False),
                ("the chunked loss (drop --no-chunked-loss)", {"chunked_loss": True}, not req.chunked_loss),
                ("--lora", {"lora": True}, not req.lora),
+               ("--offload", {"offload": None}, req.offload is False and device(req.gpu).is_gpu),
+               ("--tiled-mlp", {"tiled_mlp": None}, req.tiled_mlp is False),
+               ("--fsdp", {"fsdp": None}, req.fsdp is False and not req.lora),
                ("without --cp/--dp/--strategy", {"cp": None, "dp": None, "strategy": None},
                 bool(req.cp or req.dp or req.strategy)))
     for flag, change, applies in options:

@@ -61,13 +61,20 @@ def render_plan(p: Plan, show_all: bool = False) -> str:
         lines += [f"  - {s}" for s in p.suggestions]
         lines += ["", f"closest: {p.closest.describe()}"] + render_candidate(p.closest)
     rows = p.candidates if show_all else [c for c in p.candidates if c.fits] or p.candidates
-    lines += ["", f"{'cp':>3} {'dp':>3} {'strategy':<10} {'AC':<3} {'peak GiB':>9} {'fits':<4} {'s/step':>8} "
-                  f"{'tokens/s':>10} {'per GPU':>8}"]
+    if p.best is not None:
+        lines += ["", f"  recipe: {p.best.recipe_keys()}"]
+    lines += ["", f"{'cp':>3} {'dp':>3} {'strategy':<10} {'AC':<3} {'offload':<7} {'tiled':<5} {'fsdp':<4} "
+                  f"{'peak GiB':>9} {'fits':<4} {'s/step':>8} {'tokens/s':>10} {'per GPU':>8}"]
+
+    def onoff(flag: bool) -> str:
+        return "on" if flag else "off"
+
     for c in sorted(rows, key=lambda c: (c.setup.cp, c.setup.strategy, c.setup.ulysses_size or 0,
-                                         c.setup.checkpointing)):
+                                         c.setup.checkpointing, c.setup.offload, c.setup.tiled_mlp)):
         s = c.setup
-        lines.append(f"{s.cp:>3} {s.dp:>3} {strategy_label(s):<10} {'on' if s.checkpointing else 'off':<3} "
-                     f"{c.memory.total_gib:>9.2f} {'yes' if c.fits else 'no':<4} {c.time.total:>8.2f} "
+        lines.append(f"{s.cp:>3} {s.dp:>3} {strategy_label(s):<10} {onoff(s.checkpointing):<3} {onoff(s.offload):<7} "
+                     f"{onoff(s.tiled_mlp):<5} {onoff(s.uses_fsdp):<4} {c.memory.total_gib:>9.2f} "
+                     f"{'yes' if c.fits else 'no':<4} {c.time.total:>8.2f} "
                      f"{_tokens(c.time.tokens_per_s):>10} {_tokens(c.time.tokens_per_s_per_device):>8}")
     lines += ["", "Memory formulas: longdoc/plan/memory.py; time: longdoc/plan/timing.py and strategies.py (assumed "
                   "efficiencies: matmul 55%, attention 30%, links 80% of peak)."]

@@ -18,6 +18,7 @@ Llama-3.1-8B: 32 * 218,112,000 + 2 * 525,336,576 + 4,096 = 8,030,261,248.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from dataclasses import dataclass
@@ -74,6 +75,14 @@ class ModelShape:
     @property
     def kv(self) -> int:
         return self.kv_heads * self.head_dim
+
+    def with_layers(self, layers: int) -> ModelShape:
+        """The same model at another depth (every layer the size of its largest one): the benchmarks run reduced
+        depths and the planner carries their per-layer terms to the full depth."""
+        if layers == self.layers:
+            return self
+        params = dataclasses.replace(self.params, layers=self.params.layer * layers)
+        return dataclasses.replace(self, name=f"{self.name} ({layers} layers)", layers=layers, params=params)
 
 
 def _resolve_config(name_or_path: str):

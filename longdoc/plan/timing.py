@@ -24,6 +24,10 @@ Communication (bandwidth b of the group's link, see hardware.link_gbps, x link e
     fp32 gradients P_l*4*(S-1)/S, prefetched: a layer takes max(its compute, its collectives).
   DDP (no FSDP): all-reduce 2*P_t*4*(W-1)/W, overlapped with the backward.
   optimizer: AdamW reads and writes 28 bytes per trainable parameter (of its shard) at HBM speed.
+  checkpoint offload (GPU): each layer's checkpoint N*h*c goes to host memory in the forward and comes back in
+    the backward on a side stream, overlapped with the layer: a layer takes max(its compute, N*h*c / host link).
+  tiled MLP: with checkpointing the tiled backward's recompute replaces the checkpoint's MLP recompute (no extra
+    FLOPs); without it, the MLP's forward runs once more: + 2*N*P_mlp per layer.
 """
 
 from __future__ import annotations
@@ -63,7 +67,9 @@ def estimate_time(s: Setup, interconnect: str = "nvlink", assume: Assumptions | 
     balance = (2 * s.cp - 1) / s.cp if s.layout == "contiguous" and s.cp > 1 else 1.0
     attn_f_layer = 2.0 * s.micro_batch * s.padded_len**2 * sh.q / s.cp * balance
     attn_b_layer = 2.5 * attn_f_layer
-    recompute_dense = ((layers_f if s.checkpointing else 0.0)
+    # a tiled MLP without checkpointing recomputes its forward (gated: 3*h*I parameters per token)
+    mlp_recompute = 0.0 if s.checkpointing or not s.tiled_mlp else 2.0 * n * 3 * sh.hidden * sh.intermediate * sh.layers
+    recompute_dense = ((layers_f if s.checkpointing else 0.0) + mlp_recompute
                        + (2.0 * rows * sh.vocab * sh.hidden if s.loss_chunk else 0.0))
     flops = {"dense": dense_f + dense_b, "attention": sh.layers * (attn_f_layer + attn_b_layer),
              "recompute": recompute_dense + (sh.layers * attn_f_layer if s.checkpointing else 0.0)}
@@ -84,9 +90,15 @@ def estimate_time(s: Setup, interconnect: str = "nvlink", assume: Assumptions | 
     # Dense compute per layer, then FSDP's per-layer collectives overlapped with the whole layer.
     per_layer_dense_f = 2.0 * n * sh.params.layer / mm_rate
     per_layer_dense_b = per_layer_dense_f * (1.0 if s.lora else 2.0) + (per_layer_dense_f if s.checkpointing else 0.0)
+    per_layer_dense_b += mlp_recompute / sh.layers / mm_rate
     layer_f = per_layer_dense_f + attn_fwd_s
     layer_b = per_layer_dense_b + attn_bwd_s
     comm_bytes = {"cp": sh.layers * (layer.forward_bytes * (2 if s.checkpointing else 1) + layer.backward_bytes)}
+    if s.offloads:  # the copies run on a side stream beside the layer's compute
+        ckpt = n * sh.hidden * c
+        copy_s = ckpt / (dev.host_gbps * 1e9 * assume.link_efficiency)
+        layer_f, layer_b = max(layer_f, copy_s), max(layer_b, copy_s)
+        comm_bytes["offload"] = 2 * sh.layers * ckpt
     if s.uses_fsdp:
         frac = (s.shards - 1) / s.shards
         ag = sh.params.layer * c * frac / bw_all + lat

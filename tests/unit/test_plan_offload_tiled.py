@@ -1,0 +1,134 @@
+"""The planner's terms for the memory features of issue 28: the tiled MLP (against what a tiled model really
+saves), checkpoints offloaded to host memory, FSDP on CPU, reduced depth, and the recommendations they make."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import longdoc
+from longdoc import models
+from longdoc.hf.tiled_mlp import tile_mlps
+from longdoc.plan.hardware import GIB
+from longdoc.plan.memory import Setup, estimate, layer_bytes_per_token
+from longdoc.plan.planner import PlanRequest, longest_fitting, plan
+from longdoc.plan.shapes import model_shape, shape_from_config
+from longdoc.plan.timing import estimate_time
+from tests.saved_tensors import SMALL, saved_bytes_per_token
+
+
+def _tiled(arch: str):
+    model = models.tiny_model(arch, **SMALL)
+    shape = shape_from_config(model.config)
+    tile_mlps(model)
+    longdoc.patch(model, longdoc.ContextParallel())
+    return model, shape
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3"])
+def test_tiled_mlp_activation_formula_equals_what_the_tiled_model_saves(arch):
+    model, shape = _tiled(arch)
+    want = layer_bytes_per_token(shape, 4, tiled_mlp=True) + 2 * shape.rotary_dim * 4
+    assert saved_bytes_per_token(model) == pytest.approx(want, abs=2 * shape.hidden * 4 / 256)
+    # the MLP's intermediates (4cI per token) are what tiling removes
+    assert layer_bytes_per_token(shape, 4) - layer_bytes_per_token(shape, 4, tiled_mlp=True) == \
+        4 * 4 * shape.intermediate
+
+
+def test_tiled_mlp_autocast_formula_equals_what_the_tiled_model_saves():
+    model, shape = _tiled("llama")
+
+    def saved(n):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return saved_bytes_per_token(model, n=n) * n
+
+    per_token = (saved(512) - saved(256)) / 256
+    assert per_token == layer_bytes_per_token(shape, 2, autocast=True, tiled_mlp=True) + 2 * shape.rotary_dim * 4
+
+
+def _llama8b(**kw) -> Setup:
+    return Setup(shape=model_shape("Llama-3.1-8B"), seq_len=1 << 20, cp=8, dp=1, checkpointing=True, **kw)
+
+
+def test_tiled_mlp_bounds_the_mlp_temporaries_by_one_tile():
+    plain, tiled = estimate(_llama8b()), estimate(_llama8b(tiled_mlp=True))
+    fwd = {t.label: t for t in tiled.phases["forward"]}["layer forward temporaries"]
+    assert fwd.bytes == 3 * 2 * 4096 * model_shape("Llama-3.1-8B").intermediate  # one tile of h = 4096 tokens
+    assert tiled.total < plain.total
+    # a smaller tile, smaller still
+    assert estimate(_llama8b(tiled_mlp=True, mlp_tile=1024)).phase_total("forward") < tiled.phase_total("forward")
+
+
+def test_offload_keeps_two_layers_of_checkpoints_on_a_gpu_and_nothing_changes_on_a_cpu():
+    on = estimate(_llama8b(offload=True))
+    ckpt = [t for t in on.phases["forward"] if t.label.startswith("checkpoints")]
+    n, h = (1 << 20) // 8, 4096
+    assert [t.bytes for t in ckpt] == [2 * n * h * 2] and "in host memory" in ckpt[0].label
+    assert any("GiB of (pinned) host memory" in note for note in on.notes)
+    assert on.total < estimate(_llama8b()).total
+    cpu = dict(shape=model_shape("SmolLM2-135M"), seq_len=16384, cp=2, device="cpu", precision="bf16")
+    assert estimate(Setup(**cpu, offload=True)).total == estimate(Setup(**cpu)).total
+    with pytest.raises(ValueError, match="needs checkpointing"):
+        Setup(**cpu, checkpointing=False, offload=True)
+
+
+def test_offload_time_is_the_host_copy_where_it_exceeds_the_layer():
+    base = _llama8b()
+    assert estimate_time(dataclasses.replace(base, offload=True)).comm_bytes["offload"] == \
+        2 * 32 * (1 << 20) // 8 * 4096 * 2
+    # a layer's compute at 128k tokens per rank hides the copy
+    assert estimate_time(dataclasses.replace(base, offload=True)).total == pytest.approx(estimate_time(base).total)
+
+
+def test_llama_8b_at_1m_tokens_on_8_h100_fits_under_64_gib():
+    p = plan(PlanRequest(model="Llama-3.1-8B", seq_len=1 << 20, gpus=8, gpu="h100"))
+    assert p.best is not None and p.best.memory.total_gib <= 64
+    assert p.best.setup.offload  # the checkpoints cannot stay on the device at 1M tokens
+    assert "train.offload_checkpoints=true" in p.best.recipe_keys()
+    # without the new terms it does not fit, as the issue found (91.4 GiB)
+    none = plan(PlanRequest(model="Llama-3.1-8B", seq_len=1 << 20, gpus=8, gpu="h100", offload=False,
+                            tiled_mlp=False))
+    assert none.best is None and any("--offload" in s for s in none.suggestions)
+
+
+def test_llama_8b_lora_on_one_h100_fits_400k_tokens():
+    req = PlanRequest(model="Llama-3.1-8B", seq_len=400 * 1024, gpus=1, gpu="h100", lora=True)
+    assert plan(req).best is not None
+    assert longest_fitting(req) >= 400_000
+
+
+def test_features_are_recommended_only_when_needed_to_fit():
+    p = plan(PlanRequest(model="Llama-3.1-8B", seq_len=32768, gpus=8, gpu="h100"))
+    assert p.best is not None and not p.best.setup.offload and not p.best.setup.tiled_mlp
+
+
+def test_cpu_fsdp_is_considered_and_pinned_by_the_flag():
+    req = PlanRequest(model="SmolLM2-135M", seq_len=1 << 20, gpus=2, cp=2, gpu="cpu", memory_gib=4,
+                      precision="bf16", checkpointing=True)
+    with_fsdp = longest_fitting(req)
+    without = longest_fitting(dataclasses.replace(req, fsdp=False))
+    assert with_fsdp > without
+    best = plan(dataclasses.replace(req, seq_len=with_fsdp)).best
+    assert best is not None and best.setup.uses_fsdp and "train.fsdp=true" in best.recipe_keys()
+
+
+def test_reduced_depth_plans_the_same_layers_fewer_times():
+    full = model_shape("SmolLM2-135M")
+    two = full.with_layers(2)
+    assert two.params.layers == 2 * full.params.layer and two.params.embed == full.params.embed
+    s = dict(seq_len=16384, cp=2, device="cpu", precision="bf16", fsdp=True, tiled_mlp=True)
+    per_layer = estimate(Setup(shape=full.with_layers(3), **s)).total - estimate(Setup(shape=two, **s)).total
+    assert 0 < per_layer < 0.2 * GIB
+    assert plan(PlanRequest(model="SmolLM2-135M", seq_len=16384, gpus=2, cp=2, gpu="cpu", layers=2)).shape.layers == 2
+
+
+def test_plan_cli_flags(capsys):
+    from longdoc.cli import main
+
+    rc = main(["plan", "--model", "SmolLM2-135M", "--seq-len", "16k", "--gpus", "2", "--cp", "2", "--gpu", "cpu",
+               "--memory-gib", "4", "--tiled-mlp", "--fsdp", "--no-offload", "--layers", "4", "--longest"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "tiled MLP" in out and "FSDP2" in out and "longest sequence that fits" in out
+    assert "train.tiled_mlp=true" in out
