@@ -116,6 +116,26 @@ def train_pinned(rank: int, world_size: int, recipe: dict, overrides: list[str],
     return [(s.step, s.loss, s.tokens, s.grad_norm) for s in result.history], grads, params
 
 
+def assert_steps_equal(ref: list, ref_grads: list, runs: list, label: str, rel: float = 1e-5) -> None:
+    """Every rank of `runs` (train_pinned results) took the steps of the reference run (train_pinned's first two
+    results): per step the same step number and loss-token count, the loss and grad norm within `rel`, and the
+    reduced gradient of every trained tensor within `rel` of that tensor's largest reference element."""
+    import pytest
+
+    for rank_hist, rank_grads, *_ in runs:
+        for step, (step_grads, step_ref) in enumerate(zip(rank_grads, ref_grads, strict=True), 1):
+            errs = [float(abs(g - r).max() / max(abs(r).max(), 1e-30)) for g, r in zip(step_grads, step_ref,
+                                                                                     strict=True)]
+            worst = max(range(len(errs)), key=errs.__getitem__)
+            assert errs[worst] <= rel, (label, f"step {step}", f"tensor {worst} of {len(errs)}",
+                                        tuple(step_ref[worst].shape), errs[worst], float(abs(step_ref[worst]).max()))
+        assert len(rank_hist) == len(ref), (label, rank_hist, ref)
+        for (s, loss, tok, gn), (s0, loss0, tok0, gn0) in zip(rank_hist, ref, strict=True):
+            assert (s, tok) == (s0, tok0), label
+            assert loss == pytest.approx(loss0, rel=rel, abs=1e-6), (label, s, loss, loss0)
+            assert gn == pytest.approx(gn0, rel=rel), (label, s, gn, gn0)
+
+
 def _load(p, full) -> None:
     """Set parameter p (a plain tensor, or FSDP2's sharded DTensor) to the full tensor `full`."""
     if hasattr(p, "full_tensor"):

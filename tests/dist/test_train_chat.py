@@ -1,7 +1,10 @@
-"""`data.task: chat` trains at cp=2 exactly as one process: `longdoc train` on raw conversations (a long
-document in a user turn, cut to data.seq_len; packed short conversations; assistant-only and all-token loss;
-held-out chat loss), and CPTrainer on prepared chat rows. One spawn per world size, every case inside it;
-fp32 (longdoc train) and float64 (CPTrainer) tiny models compared at 1e-5. Slow tier: `make test-slow`."""
+"""`data.task: chat` trains at cp=2 exactly as one process. Fast: raw conversations through `longdoc train`'s
+data path, a long document in a user turn (cut to data.seq_len, the answer kept) among packed short conversations
+(ShareGPT and OpenAI style), the loss on the assistant turns, a held-out chat loss every step: each step's loss,
+loss-token count, grad norm and the reduced gradient of every parameter equal one process's, the cp=2 run pinned to
+the one-process run's parameters after each step (tests/training.py: train_pinned), so step k's gradients are taken
+at identical parameters. Slow (`make test-slow`): the all-token loss with right truncation likewise, CPTrainer on
+prepared chat rows (float64 tiny model, logged losses, grad norms and final weights), and `eval chat-loss`."""
 
 from __future__ import annotations
 
@@ -9,13 +12,11 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from tests.chat_cases import chat_cases
-from tests.training import max_rel_err, ranks, tiny_recipe
+from tests.training import assert_steps_equal, max_rel_err, ranks, tiny_recipe, train_pinned
 
 REL = 1e-5
-pytestmark = pytest.mark.slow  # two spawns, three trainings each: about 2 minutes on 2 shared cores
 DOC = " ".join(f"Clause {i}: the tenant shall pay rent on day {i % 28 + 1}, late fees {i} percent." for i in range(60))
 
 
@@ -36,45 +37,57 @@ def _conversations() -> list[dict]:
     return convs
 
 
-def _recipes(tmp_path, path: str, tag: str) -> dict:
-    model = {"name": "tiny:llama", "overrides": {}}  # the default tokenizer's vocabulary
-    ev = {"holdout": 2, "every": 1}  # the held-out chat loss, under CP too
-    return {
-        "assistant-packed": tiny_recipe(tmp_path / tag / "assistant-packed", model=model, eval=ev,
-                                        data={"path": path, "task": "chat", "seq_len": 256, "pack": True}),
-        "all-right": tiny_recipe(tmp_path / tag / "all-right", model=model,
-                                 data={"path": path, "task": "chat", "seq_len": 256, "chat_loss": "all",
-                                       "truncation": "right"}),
-    }
+def _write(tmp_path) -> str:
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(c) + "\n" for c in _conversations()))
+    return str(path)
 
 
-def test_chat_cp2_equals_one_process(tmp_path):
+def _recipe(out, path: str, **data) -> dict:
+    # the default tokenizer's vocabulary (tied: one 49152 x 64 matrix to record per step, not two)
+    return tiny_recipe(out, model={"name": "tiny:llama", "overrides": {"tie_word_embeddings": True}},
+                       eval={"holdout": 2, "every": 1}, data={"path": path, "task": "chat", "seq_len": 256, **data})
+
+
+def _val_losses(out) -> list[tuple[int, float]]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+
+
+def _pinned_cp2_equals_one_process(tmp_path, path: str, tag: str, **data) -> None:
+    ref, ref_grads, pin = ranks(1, train_pinned, _recipe(tmp_path / f"{tag}-1", path, **data), [],
+                                deadline=600)[0]
+    cp2 = ranks(2, train_pinned, _recipe(tmp_path / f"{tag}-2", path, **data), ["cp_size=2"], pin, deadline=600)
+    assert len(ref) == 3 and all(tokens > 0 for _, _, tokens, _ in ref)
+    assert_steps_equal(ref, ref_grads, cp2, tag, rel=REL)
+    # the held-out chat loss, after each step's update (at the pinned parameters but the last)
+    one, two = _val_losses(tmp_path / f"{tag}-1"), _val_losses(tmp_path / f"{tag}-2")
+    assert [s for s, _ in one] == [s for s, _ in two] == [1, 2, 3]
+    for (_, a), (_, b) in zip(two, one, strict=True):
+        assert a == pytest.approx(b, rel=REL), (tag, two, one)
+
+
+def test_chat_with_a_long_document_steps_at_cp2_as_one_process(tmp_path):
     from longdoc.corpus.prepare import prepare
     from longdoc.corpus.tokens import get_tokenizer
 
-    path = tmp_path / "chats.jsonl"
-    path.write_text("".join(json.dumps(c) + "\n" for c in _conversations()))
-    ds = prepare(str(path), get_tokenizer(), task="chat", target_tokens=256, pack=True, cache_dir=tmp_path / "cache")
+    path = _write(tmp_path)
+    ds = prepare(path, get_tokenizer(), task="chat", target_tokens=256, pack=True, cache_dir=tmp_path / "cache")
     assert max(ds["cut_tokens"]) > 0 and max(len(c) for c in ds["cu_seqlens"]) > 2  # cut and packed rows
+    _pinned_cp2_equals_one_process(tmp_path, path, "assistant-packed", pack=True)
+
+
+@pytest.mark.slow  # four spawns: about 2 minutes on 2 shared cores
+def test_chat_all_tokens_and_cptrainer_cp2_equal_one_process(tmp_path):
+    from longdoc.corpus.prepare import prepare
+    from longdoc.corpus.tokens import get_tokenizer
+
+    path = _write(tmp_path)
+    _pinned_cp2_equals_one_process(tmp_path, path, "all-right", chat_loss="all", truncation="right")
+    ds = prepare(path, get_tokenizer(), task="chat", target_tokens=256, pack=True, cache_dir=tmp_path / "cache")
     rows = [{k: r[k] for k in ("input_ids", "labels", "position_ids")} for r in ds]
-    ref = ranks(1, chat_cases, _recipes(tmp_path, str(path), "cp1"), [], rows, str(tmp_path / "t1"),
-                deadline=600)[0]
-    cp2 = ranks(2, chat_cases, _recipes(tmp_path, str(path), "cp2"), ["cp_size=2"], rows, str(tmp_path / "t2"),
-                deadline=600)
-    for name in ("assistant-packed", "all-right"):
-        w_ref = load_file(tmp_path / "cp1" / name / "final" / "model.safetensors")
-        w_cp2 = load_file(tmp_path / "cp2" / name / "final" / "model.safetensors")
-        assert max_rel_err(w_cp2, w_ref) <= REL, name
-        assert len(ref[name]) == 3
-        for result in cp2:
-            for got, want in zip(result[name], ref[name], strict=True):
-                assert got[0] == want[0] and got[2] == want[2], (name, got, want)  # step, loss tokens
-                for a, b in zip(got[1:], want[1:]):
-                    if isinstance(b, float):
-                        assert abs(a - b) <= REL * max(1.0, abs(b)), (name, got, want)
-    assert all(s[4] is not None for s in ref["assistant-packed"])  # validated on held-out chat rows every step
-    want = ref["cptrainer"]
-    for result in cp2:
+    want = ranks(1, chat_cases, {}, [], rows, str(tmp_path / "t1"), deadline=600)[0]["cptrainer"]
+    for result in ranks(2, chat_cases, {}, [], rows, str(tmp_path / "t2"), deadline=600):
         got = result["cptrainer"]
         assert len(got["logs"]) == len(want["logs"]) == 3
         for (step, loss, norm), (rstep, rloss, rnorm) in zip(got["logs"], want["logs"], strict=True):
@@ -83,13 +96,13 @@ def test_chat_cp2_equals_one_process(tmp_path):
         assert max_rel_err(*tensors) <= REL
 
 
+@pytest.mark.slow
 def test_eval_chat_loss_cp2_equals_cp1(tmp_path):
     from longdoc.cli import main
     from longdoc.eval import report
 
-    path = tmp_path / "chats.jsonl"
-    path.write_text("".join(json.dumps(c) + "\n" for c in _conversations()))
-    common = ["eval", "chat-loss", "--model", "tiny:llama", "--data", str(path), "--length", "256", "--threads", "1"]
+    path = _write(tmp_path)
+    common = ["eval", "chat-loss", "--model", "tiny:llama", "--data", path, "--length", "256", "--threads", "1"]
     assert main(common + ["--out", str(tmp_path / "cp1")]) == 0
     assert main(common + ["--cp", "2", "--out", str(tmp_path / "cp2")]) == 0
     one, two = report.load_results(tmp_path / "cp1"), report.load_results(tmp_path / "cp2")

@@ -167,6 +167,7 @@ def test_folder_reads_every_document_and_reports_the_rest(tmp_path):
     assert _norm(docs["history.docx"]["text"]) == _norm(" ".join(
         v if isinstance(v, str) else " ".join(c for row in v for c in row) for _, v in DOCX_BLOCKS))
     assert _norm(docs["lease.html"]["text"]) == _norm(HTML_TEXT)
+    assert _norm(docs["notes.txt"]["text"]) == _norm(files["txt"].read_text(encoding="utf-8"))
     assert "pages" in docs["contract.pdf"] and "sections" in docs["lease.html"] and "pages" not in docs["notes.txt"]
 
 

@@ -1,10 +1,21 @@
-"""examples/your_documents.py (issue 30, part 4) end to end on files the tests build: a folder of PDF, DOCX, HTML and
-text -> prepare -> continued pretraining with the no-harm mix at cp=2 -> a chat run -> base vs tuned on the user's
-questions, the needle and the RULER-style suite with the folder as the haystack (tiny model, one step each)."""
+"""The "your own documents" guide (docs/guides/your-documents.md, issue 30 part 4) runs as written.
+
+examples/your_documents.py reads the guide's commands and runs them in order as written (the guide is their one
+copy). Fast: every command of the guide, at the walk's sizes and at its smoke sizes, parses as a `longdoc` command
+and its recipe overrides load (unknown keys, warmup beyond the steps and bad values are errors there); the README's
+CLI lines too, among them its two own-documents lines. Slow: the walk itself at the smoke sizes, in a fresh copy of
+the repository's tracked files (what a clone of a commit of them holds: no runs/, caches or untracked files) on a
+folder of generated PDF, DOCX, HTML and text: prepare, continued pretraining with the no-harm mix at cp=2, the chat
+length report and a chat run, base vs tuned on the user's questions, the needle and the RULER-style suite."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import re
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,30 +25,102 @@ import pytest
 from tests.document_files import CONTRACT_TEXT, mixed_folder
 
 ROOT = Path(__file__).resolve().parents[2]
+GUIDE = ROOT / "docs" / "guides" / "your-documents.md"
 
 
-@pytest.mark.slow
-def test_the_your_documents_example_runs_on_a_mixed_folder(tmp_path):
-    files = mixed_folder(tmp_path / "docs")
-    files["png"].unlink()  # the folder report of unsupported files has its own tests
-    (tmp_path / "docs" / "terms.txt").write_text("".join(  # enough text for a 1k-token needle haystack
+def _example():
+    spec = importlib.util.spec_from_file_location("your_documents", ROOT / "examples" / "your_documents.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _guide_commands(text: str) -> list[str]:
+    """The guide's commands, read here apart from the example's reader: the lines of its bash blocks that start
+    with `longdoc `, continuation lines joined."""
+    blocks = re.findall(r"^```bash\n(.*?)^```", text, re.M | re.S)
+    joined = "\n".join(blocks).replace("\\\n", "\\\x00")
+    return [line.replace("\\\x00", "\\\n") for line in joined.splitlines() if line.startswith("longdoc ")]
+
+
+def _check_parses(command: str) -> None:
+    """`longdoc ARGS` parses; a train command's recipe and overrides load (as `longdoc train ... --print`)."""
+    from longdoc.cli import build_parser
+    from longdoc.eval.cli import config
+    from longdoc.train.config import load_recipe
+
+    words = shlex.split(command, comments=True)
+    assert words[0] == "longdoc", command
+    args = build_parser().parse_args(words[1:])
+    if args.verb == "train":
+        load_recipe(args.recipe, args.overrides)
+    elif args.verb == "eval":
+        config(args)
+
+
+def test_every_guide_and_readme_command_parses(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the recipes are named relative to the repository root
+    example, text = _example(), GUIDE.read_text(encoding="utf-8")
+    commands = example.commands(text)
+    assert commands == _guide_commands(text) and len(commands) == 5
+    walk, smoke = example.settings(text)
+    assert walk["MODEL"] == "SmolLM2-135M-Instruct" and smoke["MODEL"].startswith("tiny:")
+    for sizes in (walk, smoke):
+        for command in commands:
+            expanded = re.sub(r"\$(\w+)", lambda m, sizes=sizes: sizes[m.group(1)], command)
+            _check_parses(expanded.replace("\\\n", " "))
+    readme = _guide_commands((ROOT / "README.md").read_text(encoding="utf-8"))
+    own = [c for c in readme if "runs/mine" in c]
+    assert len(own) == 2 and len(readme) >= 10, readme
+    for command in readme:
+        _check_parses(command)
+
+
+def _user_files(root: Path) -> dict[str, Path]:
+    files = mixed_folder(root / "docs")
+    # the needle's --haystack reads every file of the folder without --skip-bad (data prepare's report of an
+    # unsupported file has its own tests)
+    files["png"].unlink()
+    (root / "docs" / "terms.txt").write_text("".join(  # enough text for a 1k-token needle haystack
         f"{i}. The Customer shall give written notice of any defect within {i + 5} days of delivery.\n"
         for i in range(120)))
-    questions = tmp_path / "questions.jsonl"
+    questions = root / "questions.jsonl"
     questions.write_text(json.dumps({"document": CONTRACT_TEXT, "qa": [
         {"question": "Where does the Supplier have its principal place of business?", "answer": "Leeds"},
         {"question": "How much notice does termination need?", "answer": "ninety days"}]}) + "\n")
-    chats = tmp_path / "chats.jsonl"
+    chats = root / "chats.jsonl"
     chats.write_text("".join(json.dumps({"messages": [
         {"role": "user", "content": f"{CONTRACT_TEXT}\n\nWhere is the Supplier based?"},
         {"role": "assistant", "content": "In Leeds."}]}) + "\n" for _ in range(4)))
-    out = tmp_path / "out"
-    done = subprocess.run([sys.executable, "examples/your_documents.py", str(tmp_path / "docs"), "--questions",
-                           str(questions), "--chat", str(chats), "--model", "tiny:llama", "--out", str(out),
-                           "--quick"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    return {"docs": root / "docs", "questions": questions, "chats": chats}
+
+
+def _tracked_copy(dest: Path) -> Path:
+    """The repository's tracked files as the working tree has them, copied to dest (a fresh clone's content when
+    the tree is clean; CI runs on one)."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("needs a git checkout: the walk runs on a copy of the repository's tracked files")
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    for name in filter(None, listed.decode().split("\0")):
+        if (ROOT / name).is_file():  # not one deleted in the working tree
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dest / name)
+    return dest
+
+
+@pytest.mark.slow  # 5 commands, 2 trainings and the comparison at cp=2: 2 CPU-minutes, 5 on 2 busy cores
+def test_the_guide_runs_as_written_in_a_fresh_copy(tmp_path):
+    clone = _tracked_copy(tmp_path / "clone")
+    mine, out = _user_files(tmp_path), tmp_path / "out"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(clone)}
+    done = subprocess.run([sys.executable, str(clone / "examples" / "your_documents.py"), str(mine["docs"]),
+                           "--questions", str(mine["questions"]), "--chat", str(mine["chats"]), "--out", str(out),
+                           "--smoke"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    for step in ("data prepare", "train recipes/cpu-legal-mix.yaml", "train recipes/cpu-chat.yaml", "eval compare"):
-        assert f"$ longdoc {step}" in done.stdout
-    assert (out / "pretrain" / "final").is_dir() and (out / "chat" / "final").is_dir()
+    guide = _guide_commands((clone / "docs" / "guides" / "your-documents.md").read_text(encoding="utf-8"))
+    assert done.stdout.count("$ longdoc ") == len(guide) == 5, done.stdout
+    for command in guide:
+        assert f"$ {command}\n" in done.stdout, command
+    assert (out / "pretrain" / "final").is_dir() and (out / "chat" / "final").is_dir() and (out / "chats").exists()
     summary = (out / "compare" / "summary.md").read_text()
     assert "qa" in summary.lower() and "needle" in summary.lower() and "ruler" in summary.lower()
