@@ -13,7 +13,9 @@
 
 --data / --haystack read every format `longdoc data prepare` reads (jsonl/json/parquet/csv, .txt/.md/.pdf/
 .docx/.html files and folders of them, hub ids). A prompt longer than the model's context is refused before
-any compute; lengths take k/M suffixes (4k = 4096). `eval qa --skip-bad` leaves out bad records and reports them.
+any compute; lengths take k/M suffixes (4k = 4096). --skip-bad (qa, needle, ruler, compare: one flag for --data
+and --haystack) leaves out bad records and files longdoc cannot read (an image in a folder) and names each at the
+end, as `longdoc data prepare --skip-bad` does; without it the first one stops the run, by name.
 
 --cp N on one machine spawns N local gloo ranks. Under a launcher (`accelerate launch --multi_gpu
 --num_processes N -m longdoc eval ...` or torchrun) every process is one rank and --cp must equal N.
@@ -25,6 +27,7 @@ mean loss, first and last bucket; ruler: the average over tasks, per length) and
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from longdoc import cliargs, zoo
@@ -72,10 +75,13 @@ def _qa_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--limit-questions", type=int, default=None, help="first N questions per document")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="use the chat template (default: when the tokenizer has one)")
+
+
+def _skip_bad(p: argparse.ArgumentParser, what: str) -> None:
+    """The one --skip-bad of an eval command, for every input it reads (`what`)."""
     p.add_argument("--skip-bad", action="store_true",
-                   help="leave out bad --data records and questions (an answer not found in its document, an empty "
-                        "document, an unreadable file) and report them at the end, as `longdoc data prepare "
-                        "--skip-bad` does, instead of stopping at the first")
+                   help=f"leave out {what} and name each at the end, as `longdoc data prepare --skip-bad` does, "
+                        "instead of stopping at the first")
 
 
 def _needle_args(p: argparse.ArgumentParser) -> None:
@@ -133,11 +139,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = sub.add_parser("qa", help="document QA: EM/F1 (generation) and answer NLL (teacher forcing)")
     _common(p)
     _qa_args(p, required=True)
+    _skip_bad(p, "bad --data records and questions (an answer not found in its document, an empty document, a file "
+                 "longdoc cannot read)")
     p.set_defaults(func=_run_task, task="qa")
 
     p = sub.add_parser("needle", help="needle in a haystack: accuracy grid (length x depth) and heatmap")
     _common(p)
     _needle_args(p)
+    _skip_bad(p, "--haystack files longdoc cannot read (an image, a scanned PDF without text, an empty document; "
+                 "the same flag as `eval qa --skip-bad`)")
     # Small models answer in a sentence that repeats the question: room for it and the whole value.
     p.add_argument("--max-new-tokens", type=cliargs.length, default=32, help="answer length cap (default: %(default)s)")
     p.set_defaults(func=_run_task, task="needle")
@@ -173,6 +183,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = sub.add_parser("ruler", help="RULER-style suite: 8 synthetic long-context tasks x lengths, score grid, heatmap")
     _common(p)
     _ruler_args(p, alone=True)
+    _skip_bad(p, "--haystack files longdoc cannot read (an image, a scanned PDF without text, an empty document; "
+                 "the same flag as `eval qa --skip-bad`)")
     p.set_defaults(func=_run_task, task="ruler")
 
     p = sub.add_parser("compare", help="base vs fine-tuned side by side: two run folders, or two models to evaluate")
@@ -186,6 +198,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     _needle_args(p)
     _position_args(p)
     _ruler_args(p, alone=False)
+    _skip_bad(p, "what cannot be used, one flag for both inputs: bad --data records and questions (qa, as `eval qa "
+                 "--skip-bad`) and --haystack files longdoc cannot read (needle, ruler; e.g. an image in the folder)")
     p.set_defaults(func=_run_compare, task="compare")
 
 
@@ -236,8 +250,12 @@ def _run_task(args: argparse.Namespace) -> int:
     path = tasks.run_and_report(args.task, cfg)
     if path is not None:
         from longdoc.eval import report
+        from longdoc.eval.data import skipped_lines
 
-        print(report.headline(report.load_results(path)))
+        results = report.load_results(path)
+        print(report.headline(results))
+        for line in skipped_lines(results):  # --skip-bad: every item named, as `data prepare` lists them
+            print(f"  {line}", file=sys.stderr)
         print(f"report: {path}")
     return 0
 

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from longdoc.eval import data as inputs
 from longdoc.eval import plots, report, tasks
 
 _QA_METRICS = [("em", "EM"), ("f1", "F1"), ("contains", "contains"), ("nll_per_token", "NLL/token"),
@@ -172,7 +173,8 @@ def _ruler_lines(results: dict[str, Any]) -> list[str]:
 
 def console_summary(results: dict[str, Any]) -> list[str]:
     """The lines `longdoc eval compare` prints: each QA metric and each RULER-style task of both sides, its delta
-    and the interval; the needle grid's mean accuracy and the mean loss by position of both sides."""
+    and the interval; the needle grid's mean accuracy and the mean loss by position of both sides; then every
+    input --skip-bad left out, by name."""
     a, b = results["names"]
     lines = []
     qa = results.get("qa") or {}
@@ -189,7 +191,7 @@ def console_summary(results: dict[str, Any]) -> list[str]:
         if pair.get("a") is not None and pair.get("b") is not None:
             va, vb = pair["a"], pair["b"]
             lines.append(f"{task} {label}: {a} {va:.3f}, {b} {vb:.3f}, delta {vb - va:+.3f}")
-    return lines + _ruler_lines(results)
+    return lines + _ruler_lines(results) + list(results.get("skipped", []))
 
 
 def _needle(a: dict, b: dict, names: tuple[str, str], out: Path) -> tuple[dict, list[str]]:
@@ -288,10 +290,18 @@ def write_comparison(runs_a: dict[str, Path], runs_b: dict[str, Path], names: tu
     md = [f"# {names[0]} vs {names[1]}\n"]
     md += [f"- {n}: `{report.load_results(r[common[0]]).get('model', '?')}`" for n, r in zip(names, (runs_a, runs_b))]
     md.append("")
+    left_out: dict[str, list[str]] = {}  # --skip-bad: each item once, with the tasks whose input it was in
     for t in common:
-        data, lines = _SECTIONS[t](report.load_results(runs_a[t]), report.load_results(runs_b[t]), names, out)
+        ra, rb = report.load_results(runs_a[t]), report.load_results(runs_b[t])
+        data, lines = _SECTIONS[t](ra, rb, names, out)
         results[t] = data
         md += lines
+        for line in inputs.skipped_lines(ra) + inputs.skipped_lines(rb):
+            if t not in left_out.setdefault(line, []):
+                left_out[line].append(t)
+    if left_out:
+        results["skipped"] = [f"{line} ({', '.join(ts)})" for line, ts in left_out.items()]
+        md += ["## Inputs left out (--skip-bad)\n", *(f"- {line}" for line in results["skipped"]), ""]
     report.write_json(out / report.RESULTS, results)
     report.write_text(out / report.SUMMARY, "\n".join(md) + "\n")
     return out

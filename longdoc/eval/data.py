@@ -21,15 +21,16 @@ def synth_documents(domain: str, tokens: int, count: int, seed: int, tokenizer: 
     return list(_CACHE[key])
 
 
-def read_texts(paths: list[str], limit: int | None = None) -> list[str]:
+def read_texts(paths: list[str], limit: int | None = None, skips: Any = None) -> list[str]:
     """The document texts of `paths` (the first `limit` of each input), read by the reader `longdoc data
     prepare` uses: jsonl/json/parquet/csv with a text/document/content field, .txt/.md/.pdf/.docx/.html files
-    and folders of them, hub ids."""
+    and folders of them, hub ids. With `skips` (a `longdoc.corpus.ingest.Skips`: --skip-bad) an unreadable file
+    or bad record is left out and counted there instead of raising."""
     from longdoc.corpus.ingest import read_documents
 
     texts = []
     for path in paths:
-        docs = read_documents([path], task="pretrain")
+        docs = read_documents([path], task="pretrain", skips=skips)
         texts += [d["text"] for d in (docs if limit is None else itertools.islice(docs, limit))]
     return texts
 
@@ -50,3 +51,17 @@ def check_inputs(paths: list[str], flag: str, limit: int | None = 1, task: str =
         read = sum(1 for _ in itertools.islice(read_documents([path], task=task, skips=skips), limit))
         if skips is not None and not read:
             raise ValueError(f"{flag} {path}: no usable record ({skips.summary()})")
+
+
+def skipped(skips: Any, flag: str) -> dict[str, Any]:
+    """What --skip-bad left out of the input `flag` names, as results.json keeps it (every item named)."""
+    return {"flag": flag, "total": skips.total, "by_reason": dict(skips.counts), "summary": skips.summary(),
+            "messages": list(skips.messages)}
+
+
+def skipped_lines(results: dict[str, Any]) -> list[str]:
+    """Every item --skip-bad left out of a run's input, one line each (none when nothing was skipped)."""
+    s = results.get("skipped")
+    if not isinstance(s, dict):  # chat-loss and position-loss use "skipped" for what did not fit --length
+        return []
+    return [f"{s.get('flag', 'input')}: skipped {m}" for m in s.get("messages", [])]

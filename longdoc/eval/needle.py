@@ -3,7 +3,8 @@ about it, over a grid of context lengths x depths. Accuracy grid as JSON and a h
 
     longdoc eval needle --model M --domain legal --lengths 1k,2k,4k --depths 0,0.25,0.5,0.75,1 --cp 2
 
-The haystack is the user's own documents (`--haystack FILE|FOLDER`, joined in turn) or a `longdoc data
+The haystack is the user's own documents (`--haystack FILE|FOLDER`, joined in turn; with --skip-bad a file that
+cannot be read is left out and named in the report, as `data prepare --skip-bad` does) or a `longdoc data
 synth` document of the domain cut to the cell's length (its facts are
 about the case, never about the needle). The needle is one sentence with a fresh random 5-digit value
 per cell, placed at the sentence boundary at or before the requested depth; the cell's "length" is
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+from longdoc.corpus.ingest import Skips
 from longdoc.eval import data, metrics, plots, report, runner
 from longdoc.eval.prompts import Prompter
 from longdoc.hf.session import KVSession
@@ -97,7 +99,8 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, cp: ContextParallel, cfg: d
     prompter = Prompter(tokenizer, chat=cfg.get("chat"))
     stops = prompter.stop_ids()
     device = next(model.parameters()).device
-    own = data.read_texts(cfg["haystack"]) if cfg.get("haystack") else None
+    skips = Skips() if cfg.get("haystack") and cfg.get("skip_bad") else None
+    own = data.read_texts(cfg["haystack"], skips=skips) if cfg.get("haystack") else None
     stacks = haystacks(domain, max(lengths), repeats, seed, tokenizer, own)
     hits = [[[] for _ in lengths] for _ in depths]
     cells, prompts = [], []
@@ -126,9 +129,12 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, cp: ContextParallel, cfg: d
                       "prompt_tokens": ids.shape[1], "needle": needle, "question": question, "answer": value,
                       "prediction": prediction, "correct": correct})
     accuracy = [[metrics.mean(h) for h in row] for row in hits]
-    return {"task": "needle", "domain": domain, "lengths": list(lengths), "depths": list(depths), "repeats": repeats,
-            "seed": seed, "accuracy": accuracy, "mean_accuracy": metrics.mean(c["correct"] for c in cells),
-            "cells": cells}
+    result = {"task": "needle", "domain": domain, "lengths": list(lengths), "depths": list(depths),
+              "repeats": repeats, "seed": seed, "accuracy": accuracy,
+              "mean_accuracy": metrics.mean(c["correct"] for c in cells), "cells": cells}
+    if skips is not None:
+        result["skipped"] = data.skipped(skips, "--haystack")
+    return result
 
 
 def task(model: torch.nn.Module, tokenizer: Any, cp: ContextParallel, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -145,7 +151,7 @@ def check(cfg: dict[str, Any]) -> None:
         raise ValueError(f"--depths must be fractions in [0, 1] (0 = start, 1 = end), got {cfg.get('depths')}")
     if cfg.get("repeats", 1) < 1:
         raise ValueError(f"--repeats must be >= 1, got {cfg['repeats']}")
-    data.check_inputs(cfg.get("haystack") or [], "--haystack")
+    data.check_inputs(cfg.get("haystack") or [], "--haystack", skips=Skips() if cfg.get("skip_bad") else None)
 
 
 def grid_table(data: dict[str, Any]) -> str:
@@ -165,7 +171,9 @@ def write_report(run_dir: str | Path, results: dict[str, Any]) -> Path:
     md = [report.run_header(f"Needle in a haystack ({written['domain']})", written),
           f"Mean accuracy: **{report.fmt(written['mean_accuracy'], 3)}** over {len(written['cells'])} cells "
           f"({written['repeats']} needle(s) per cell). Rows: needle depth (0% = start of the document); "
-          "columns: context length in tokens.\n", grid_table(written), "", "![needle](needle.png)", "",
+          "columns: context length in tokens.\n",
+          *([f"Input: --haystack {written['skipped']['summary']} (--skip-bad).\n"] if written.get("skipped") else []),
+          grid_table(written), "", "![needle](needle.png)", "",
           "## Misses (first 10)\n",
           report.table(["length", "depth", "answer", "prediction"],
                        [[c["length"], f"{100 * c['actual_depth']:.0f}%", c["answer"],

@@ -174,7 +174,7 @@ def task(model: torch.nn.Module, tokenizer: Any, cp: ContextParallel, cfg: dict[
     result = {"task": "qa", "data": [str(p) for p in cfg["data"]], "documents": len(records),
               "summary": summarize(rows), "rows": rows}
     if skips is not None:
-        result["skipped"] = {"total": skips.total, "by_reason": dict(skips.counts), "summary": skips.summary()}
+        result["skipped"] = data.skipped(skips, "--data")
     return result
 
 

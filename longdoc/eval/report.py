@@ -106,12 +106,15 @@ def headline(results: dict) -> str:
                                                               ("nll_per_token", "answer NLL/token")) if k in o]
         skipped = f"; {results['skipped']['summary']}" if results.get("skipped") else ""  # --skip-bad
         return f"qa: {', '.join(parts)} over {o.get('n', '?')} questions{skipped}"
+    # --skip-bad on --haystack: what it left out, each item listed after the headline (longdoc.eval.cli)
+    haystack = f"; --haystack {results['skipped']['summary']}" if isinstance(results.get("skipped"), dict) else ""
     if "mean_accuracy" in results:  # needle
-        return f"needle: mean accuracy {fmt(results['mean_accuracy'], 3)} over {len(results.get('cells', []))} cells"
+        return (f"needle: mean accuracy {fmt(results['mean_accuracy'], 3)} over {len(results.get('cells', []))} "
+                f"cells{haystack}")
     if task == "ruler":
         per_length = ", ".join(f"{n}: {fmt(v, 3)}" for n, v in zip(results["lengths"], results["average"]))
         return (f"ruler: average {fmt(results.get('overall'), 3)} over {len(results['tasks'])} tasks x "
-                f"{results['samples']} samples (by length {per_length})")
+                f"{results['samples']} samples (by length {per_length}){haystack}")
     if "mean_loss" in results:  # position-loss
         return (f"position-loss: mean loss {fmt(results.get('overall'))} nats per token over "
                 f"{results.get('documents', '?')} document(s) of {results.get('length', '?')} tokens; first bucket "

@@ -120,6 +120,47 @@ def test_needle_uses_the_users_haystack(tmp_path):
               "--depths", "0.5", *COMMON, "--out", str(out)])
 
 
+def test_an_unreadable_haystack_file_stops_by_name_or_is_skipped_and_named(tmp_path, capsys):
+    """An image among the --haystack documents: without --skip-bad one line naming it and the fix (exit 2) before
+    any rank starts; with it (the flag `eval qa` has) the run goes on and names it, as `data prepare` does."""
+    docs = tmp_path / "contracts"
+    docs.mkdir()
+    (docs / "lease.txt").write_text(" ".join(f"Clause {i}: the lessee shall pay rent number {i} on time."
+                                             for i in range(60)))
+    (docs / "scan.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(16))
+    out = tmp_path / "o"
+    args = ["eval", "needle", "--model", "tiny:llama", "--haystack", str(docs), "--lengths", "128", "--depths", "0.5",
+            *COMMON, "--out", str(out)]
+    assert main(args, catch=True) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "scan.png: unsupported file type '.png'" in err, err
+    assert "use --skip-bad to skip it and report it" in err and not out.exists()
+    assert main([*args, "--skip-bad"]) == 0
+    printed = capsys.readouterr()
+    assert "needle: mean accuracy" in printed.out and "--haystack skipped 1 bad item(s)" in printed.out
+    assert "--haystack: skipped " in printed.err and "scan.png" in printed.err
+    res = report.load_results(out)
+    assert res["skipped"]["total"] == 1 and "scan.png" in res["skipped"]["messages"][0]
+    assert "(--skip-bad)" in (out / report.SUMMARY).read_text() and len(res["cells"]) == 1
+
+
+def test_compare_names_each_haystack_file_left_out_once(tmp_path):
+    """Both models read the same --haystack: `eval compare` names what --skip-bad left out once, with its task."""
+    from longdoc.eval import compare, needle
+
+    message = "docs/scan.png: unsupported file type '.png' in a folder"
+    skipped = {"flag": "--haystack", "total": 1, "by_reason": {"unsupported file type": 1},
+               "summary": f"skipped 1 bad item(s): 1 unsupported file type; first: {message}", "messages": [message]}
+    runs = [{"needle": needle.write_report(tmp_path / name, {
+        "task": "needle", "model": name, "domain": "legal", "lengths": [128], "depths": [0.5], "repeats": 1,
+        "seed": 0, "accuracy": [[1.0]], "mean_accuracy": 1.0, "cells": [], "skipped": skipped})}
+        for name in ("base", "tuned")]
+    out = compare.write_comparison(*runs, ("base", "tuned"), tmp_path / "cmp")
+    lines = compare.console_summary(report.load_results(out))
+    assert [line for line in lines if "scan.png" in line] == [f"--haystack: skipped {message} (needle)"]
+    assert "## Inputs left out (--skip-bad)" in (out / report.SUMMARY).read_text()
+
+
 def test_spawned_ranks_hand_back_the_message_not_a_traceback(short_model, qa_file, tmp_path):
     """--cp 2 spawns ranks; each refuses alike before any collective, the parent raises the same exception (the
     type one process raises: training's context check, a RecipeError)."""

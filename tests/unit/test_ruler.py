@@ -217,7 +217,8 @@ def test_the_users_documents_are_the_needle_haystack(builder, tok, tmp_path):
     assert a.references[0] in prompt
 
 
-def test_eval_ruler_reads_a_haystack_folder(tmp_path):
+def test_eval_ruler_reads_a_haystack_folder(tmp_path, capsys):
+    """Every readable file is filler; with --skip-bad an image in the folder is left out and named."""
     from longdoc.cli import main
     from longdoc.eval import report
 
@@ -225,7 +226,11 @@ def test_eval_ruler_reads_a_haystack_folder(tmp_path):
     folder.mkdir()
     (folder / "a.txt").write_text("The Seller warrants title to the goods. Risk passes on delivery.\n" * 40)
     (folder / "b.md").write_text("# Terms\n\nPayment is due within 30 days of invoice.\n" * 40)
+    (folder / "stamp.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(16))
     out = tmp_path / "r"
     assert main(["eval", "ruler", "--model", "tiny:llama", "--threads", "1", "--lengths", "1024", "--samples", "1",
-                 "--ruler-tasks", "niah_single", "--haystack", str(folder), "--out", str(out)]) == 0
-    assert report.load_results(out)["haystack"].startswith("documents:")
+                 "--ruler-tasks", "niah_single", "--haystack", str(folder), "--skip-bad", "--out", str(out)]) == 0
+    res = report.load_results(out)
+    assert res["haystack"].startswith("documents:") and res["skipped"]["total"] == 1
+    printed = capsys.readouterr()
+    assert "--haystack skipped 1 bad item(s): 1 unsupported file type" in printed.out and "stamp.png" in printed.err

@@ -42,6 +42,7 @@ def write_report(run_dir: str | Path, results: dict[str, Any]) -> Path:
           f"{w['samples']} samples per task and length (seed {w['seed']}, {w['haystack']} haystack for the needle "
           f"tasks, {'chat template' if w.get('chat') else 'plain-text prompt'}). A length counts the prompt and "
           "the answer budget. Scores in [0, 1]; how each task is built and scored: docs/ruler.md.\n",
+          *([f"Input: --haystack {w['skipped']['summary']} (--skip-bad).\n"] if w.get("skipped") else []),
           grid_table(w), "", "![RULER-style suite](ruler.png)", "", "## Tasks\n",
           report.table(["task", "what it asks", "score", "answer budget (tokens)"],
                        [[t, ABOUT[t], _METRIC[w["metrics"][t]], w["max_new_tokens"][t]] for t in w["tasks"]]), "",

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from longdoc.corpus.ingest import Skips
 from longdoc.eval import data, metrics, runner
 from longdoc.eval.prompts import Prompter
 from longdoc.eval.ruler.build import Builder, TooShort
@@ -67,7 +68,7 @@ def check(cfg: dict[str, Any]) -> None:
     if int(cfg.get("samples") or DEFAULT_SAMPLES) < 1:
         raise ValueError(f"--samples must be >= 1, got {cfg.get('samples')}")
     if cfg.get("haystack"):
-        data.check_inputs(cfg["haystack"], "--haystack")
+        data.check_inputs(cfg["haystack"], "--haystack", skips=Skips() if cfg.get("skip_bad") else None)
     elif (cfg.get("ruler_haystack") or "prose") not in HAYSTACKS:
         raise ValueError(f"--ruler-haystack must be one of {', '.join(HAYSTACKS)}, got {cfg.get('ruler_haystack')!r}")
     b = cfg.get("batch_size") or "auto"
@@ -120,9 +121,10 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, cp: ContextParallel, cfg: d
 
     names, lengths = task_names(cfg.get("ruler_tasks")), list(cfg.get("lengths") or DEFAULT_LENGTHS)
     n, seed = int(cfg.get("samples") or DEFAULT_SAMPLES), int(cfg.get("seed", 0))
-    haystack = cfg.get("ruler_haystack") or "prose"
+    haystack, skips = cfg.get("ruler_haystack") or "prose", None
     if cfg.get("haystack"):  # the user's own documents (every rank reads them: samples are built on each)
-        haystack = document_haystack(data.read_texts(cfg["haystack"]))
+        skips = Skips() if cfg.get("skip_bad") else None
+        haystack = document_haystack(data.read_texts(cfg["haystack"], skips=skips))
     builder = Builder(tokenizer, chat=cfg.get("chat"))
     for length in lengths:  # every length against the model's context before any compute
         runner.check_context(model, length, f"--lengths {length} (a ruler prompt and its answer budget)")
@@ -157,9 +159,12 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, cp: ContextParallel, cfg: d
             cell = [r["score"] for r in rows if r["task"] == name and r["length"] == length]
             bar.set_postfix({name: f"{metrics.mean(cell):.2f}"})
     bar.close()
-    return {"task": "ruler", **summarize(rows, names, lengths), "samples": n, "seed": seed, "haystack": haystack,
-            "chat": builder.chat, "metrics": {t: TASKS[t].metric for t in names},
-            "max_new_tokens": {t: TASKS[t].max_new_tokens for t in names}, "cell_seconds": seconds, "rows": rows}
+    result = {"task": "ruler", **summarize(rows, names, lengths), "samples": n, "seed": seed, "haystack": haystack,
+              "chat": builder.chat, "metrics": {t: TASKS[t].metric for t in names},
+              "max_new_tokens": {t: TASKS[t].max_new_tokens for t in names}, "cell_seconds": seconds, "rows": rows}
+    if skips is not None:
+        result["skipped"] = data.skipped(skips, "--haystack")
+    return result
 
 
 def summarize(rows: list[dict[str, Any]], names: list[str], lengths: list[int]) -> dict[str, Any]:
