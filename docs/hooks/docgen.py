@@ -323,7 +323,7 @@ def recipe_plans() -> str:
                    f"--strategy {t.strategy}")
         best = plan(PlanRequest(model=model, seq_len=r.data.seq_len, gpus=gpus, gpu=gpu, cp=r.cp_size,
                                 checkpointing=bool(t.activation_checkpointing), loss_chunk=t.loss_chunk_tokens,
-                                strategy=t.strategy)).best
+                                strategy=t.strategy, offload=t.offload_checkpoints, tiled_mlp=t.tiled_mlp)).best
         names = ", ".join(f"`{f}`" for f in files) + (" (same model and shape)" if len(files) > 1 else "")
         if best is None:
             lines.append(f"| {names} | `{options}` | does not fit | - | - |")
@@ -335,13 +335,46 @@ def recipe_plans() -> str:
     return "\n".join(lines)
 
 
+# The issue-28 anchors: (label, PlanRequest keywords, the `longdoc plan` options that ask for it)
+LONG_PLANS = (
+    ("Llama-3.1-8B, full fine-tuning, 1M tokens, 8 x H100",
+     dict(model="Llama-3.1-8B", seq_len=1 << 20, gpus=8, gpu="h100"), "--model Llama-3.1-8B --seq-len 1M --gpus 8"),
+    ("Llama-3.1-8B, LoRA, 400k tokens, 1 x H100",
+     dict(model="Llama-3.1-8B", seq_len=400 * 1024, gpus=1, gpu="h100", lora=True),
+     "--model Llama-3.1-8B --seq-len 400k --gpus 1 --lora"),
+)
+
+
+def long_plans() -> str:
+    """The planner with and without the memory features (offload, tiled MLP) on the longest-document anchors,
+    computed now by the code in this checkout: formulas until a device measures them."""
+    import dataclasses
+
+    from longdoc.plan.planner import PlanRequest, longest_fitting, plan
+
+    lines = ["| run | `longdoc plan` options | without offload / tiled MLP | recommended with them | longest that fits "
+             "(without -> with) |", "|---|---|---|---|---:|"]
+    for label, kw, options in LONG_PLANS:
+        req = PlanRequest(**kw)
+        off = dataclasses.replace(req, offload=False, tiled_mlp=False)
+        without, best = plan(off), plan(req).best
+        before = (f"{without.best.memory.total_gib:.1f} GiB" if without.best else
+                  f"does not fit ({without.closest.memory.total_gib:.1f} GiB)")
+        after = f"{best.describe()}: {best.memory.total_gib:.1f} GiB" if best else "does not fit"
+        far = dataclasses.replace(req, seq_len=1 << 24)
+        longest = f"{longest_fitting(dataclasses.replace(far, offload=False, tiled_mlp=False)):,} -> " \
+                  f"{longest_fitting(far):,}"
+        lines.append(f"| {label} | `{options}` | {before} | {after} | {longest} |")
+    return "\n".join(lines)
+
+
 def changelog() -> str:
     return (ROOT / "CHANGELOG.md").read_text()
 
 
 BLOCKS: dict[str, Callable[[], str]] = {"models": models, "performance": performance, "headline": headline,
                                         "changelog": changelog, "outcomes": outcomes, "models-summary": models_summary,
-                                        "recipe-plans": recipe_plans}
+                                        "recipe-plans": recipe_plans, "long-plans": long_plans}
 
 
 def render_markers(markdown: str) -> str:

@@ -39,6 +39,11 @@ stay fp32 (r = 4 where the text above says c), a norm's output is not kept, and 
 keeps its own bf16 copy c*h (3 for q/k/v, 2 for gate/up; fused projections one); autocast's bf16 weight
 copies: P_mm*c cached through the forward (full fine-tuning), saved per layer P_l*c for the backward.
 Optimizer step: + AdamW temporaries: foreach on GPU P_t*4/S; per-tensor on CPU 2*(largest tensor)*4.
+Checkpoint offload (GPU): the device keeps 2*N*h*r of the checkpoints (the layer recomputed and the one fetched
+ahead), the rest lives in pinned host memory (a note); on a CPU the host is the device and nothing changes.
+Tiled MLP (T = tile tokens, the hidden size by default): A without the MLP's 4cI (the MLP saves its input only,
+`activations.layer_bytes_per_token`); forward temporaries 3cTI; backward 6cTI + 2rNh (one tile recomputed with
+grad beside the whole input gradient); nothing of the MLP is freed before the attention's backward.
 
 The step's peak is the largest of four phases, each a sum of the terms live at that moment:
   forward   state + DDP buckets + n checkpoints + a layer's forward temporaries (3*c*N*I: gate, up, act)
