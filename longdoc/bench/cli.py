@@ -5,6 +5,7 @@
     longdoc bench hybrid --seq-len 16384            # a Mamba2 + attention model: E, memory, state vs ring bytes
     longdoc bench memory longest --quick            # some sections at smoke-test sizes
     longdoc bench dsa --seq-len 16384               # DSA: one process vs CP, vs dense causal (--ranks CP size)
+    longdoc bench kinds --seq-len 8192              # per-rank activation bytes and RSS, cp=2 vs 1, per layer kind
     longdoc bench --publish docs/bench              # the full suite, then bench.json + plots into docs/bench, from
                                                     # which the docs' performance page and README numbers are made
 
@@ -31,7 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run of every code path")
     p.add_argument("--seq-len", type=cliargs.length, default=None,
                    help="attention at this one length only (prints E and Z; default: the sweep --lengths); "
-                        "the hybrid and dsa sections' length (default 16384)")
+                        "the hybrid and dsa sections' length (default 16384), the kinds section's (default 8192)")
     p.add_argument("--lengths", default=None, help="attention sweep lengths, comma-separated (default 4096,8192,16384)")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=None, help="default: same as --heads")
@@ -78,8 +79,9 @@ def _main(args: argparse.Namespace) -> int:
     dsa_cfg = dataclasses.replace(cfg.dsa, ranks=args.ranks, repeats=1 if args.quick else args.repeats,
                                   **({"seq_len": args.seq_len} if args.seq_len else {}),
                                   **({"index_topk": args.index_topk} if args.index_topk else {}))
+    kinds = dataclasses.replace(cfg.kinds, ranks=args.ranks, **({"seq_len": args.seq_len} if args.seq_len else {}))
     cfg = dataclasses.replace(cfg, sections=sections, out=args.out, attention=att, attention_lengths=tuple(lengths),
-                              train=train, hybrid=hybrid, dsa=dsa_cfg)
+                              train=train, hybrid=hybrid, dsa=dsa_cfg, kinds=kinds)
     result = suite.run(cfg)
     md = suite.to_markdown(result)
     print("\n" + md)

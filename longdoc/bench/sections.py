@@ -5,4 +5,5 @@ A module of its own (no imports) so that the command line lists them without imp
 
 from __future__ import annotations
 
-SECTIONS: tuple[str, ...] = ("attention", "hybrid", "train", "memory", "longest", "calibration", "dsa", "gpu")
+SECTIONS: tuple[str, ...] = ("attention", "hybrid", "train", "memory", "longest", "calibration", "dsa", "kinds",
+                              "gpu")

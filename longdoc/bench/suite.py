@@ -8,9 +8,11 @@ Sections: attention (CP efficiency E, zigzag gain Z, ring vs all-gather, across 
 Granite-4.0-H-shaped Mamba2 + attention model at 16k: E, peak memory, state-exchange vs ring bytes), train (tokens/s,
 cp=1 vs cp=2 at equal cores, tiny and 135M), memory (peak per rank vs cp), longest (longest sequence under
 a per-process cap), calibration (planner vs measured peaks of every CPU run made), dsa (sparse indexed
-attention: a tiny DeepSeek-V3.2 at 16k tokens, one process vs CP, DSA vs dense causal), gpu (CUDA only: block
-kernels vs one flash call). The report records the machine and its load average: timings taken on a
-loaded machine are flagged as such (memory peaks are not affected by load).
+attention: a tiny DeepSeek-V3.2 at 16k tokens, one process vs CP, DSA vs dense causal), kinds (per-rank tracked
+activation bytes and RSS growth at cp=2 vs one process at 8k, for attention, Mamba2, Gated DeltaNet, DSA and MoE
+tiny models: longdoc.bench.kinds_memory), gpu (CUDA only: block kernels vs one flash call). The report records
+the machine and its load average: timings taken on a loaded machine are flagged as such (memory peaks are not
+affected by load).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from longdoc.bench import agreement, attention, calibrate, dsa, patterns, plots, train_sections
+from longdoc.bench import agreement, attention, calibrate, dsa, kinds_memory, patterns, plots, train_sections
 from longdoc.bench import hybrid as hybrid_bench
 from longdoc.bench.attention import AttentionBenchConfig
 from longdoc.bench.gpu import KernelBenchConfig
@@ -52,6 +54,7 @@ class SuiteConfig:
     gpu: KernelBenchConfig = field(default_factory=KernelBenchConfig)
     hybrid: hybrid_bench.HybridBenchConfig = field(default_factory=hybrid_bench.HybridBenchConfig)
     dsa: dsa.DsaBenchConfig = field(default_factory=dsa.DsaBenchConfig)
+    kinds: kinds_memory.KindsMemoryConfig = field(default_factory=kinds_memory.KindsMemoryConfig)
 
 
 def quick() -> SuiteConfig:
@@ -63,7 +66,8 @@ def quick() -> SuiteConfig:
                        train=train_sections.QUICK, calibration_runs=calibrate.QUICK_RUNS,
                        gpu=KernelBenchConfig(lengths=(4096, 16384), ranks=(2, 4), repeats=2),
                        hybrid=hybrid_bench.HybridBenchConfig(seq_len=1024, repeats=1, layers=4, hidden=64,
-                                                             mamba_heads=8, state=16, chunk=32), dsa=dsa.QUICK)
+                                                             mamba_heads=8, state=16, chunk=32), dsa=dsa.QUICK,
+                       kinds=kinds_memory.QUICK)
 
 
 def machine() -> dict:
@@ -160,6 +164,11 @@ def run(cfg: SuiteConfig, log=print) -> dict:
             result["plots"].append(str(plots.calibration(calibrated, out, calibrate.TOLERANCE)))
         elif name == "dsa":
             res = dsa.run(cfg.dsa)
+        elif name == "kinds":
+            res = kinds_memory.run(cfg.kinds, log)
+            ratios = [f"{r['model']} {r['ratios']['peak']:.2f}x, {r['ratios']['rss_growth']:.2f}x" for r in res["rows"]]
+            log(f"  kinds at {cfg.kinds.seq_len} tokens, cp={cfg.kinds.ranks} / one process (tracked, RSS): "
+                + "; ".join(ratios))
         elif name == "gpu":
             if not torch.cuda.is_available():
                 log("  skipped: no CUDA device")
@@ -243,6 +252,9 @@ def to_markdown(result: dict) -> str:
     if "dsa" in s:
         lines += ["", "#### Sparse indexed attention (DeepSeek DSA): one process vs CP, DSA vs dense causal", "",
                   dsa.to_markdown(s["dsa"])]
+    if "kinds" in s:
+        lines += ["", "#### Per-rank activation memory by layer kind: CP vs one process", "",
+                  kinds_memory.to_markdown(s["kinds"])]
     if "gpu" in s:
         lines += ["", "#### CUDA block kernels", "", gpu.to_markdown(s["gpu"])]
     if result.get("plots"):
