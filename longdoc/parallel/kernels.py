@@ -42,7 +42,8 @@ Band = tuple[int | None, int | None]
 @dataclass(frozen=True)
 class Kernel:
     """forward(q, k, v, causal, scale, band=None, softcap=None, mask=None) -> (out, lse);
-    backward(dout, q, k, v, out, lse, causal, scale, band=None, softcap=None, mask=None) -> (dq, dk, dv).
+    backward(dout, q, k, v, out, lse, causal, scale, band=None, softcap=None, mask=None) -> (dq, dk, dv), in q's
+    dtype or (math) unrounded in the accumulator dtype: callers add them into fp32 accumulators.
     `band` / `softcap`: whether the kernel accepts those arguments (`band` also means it accepts `mask`)."""
 
     name: str
@@ -166,7 +167,9 @@ def _math_backward(dout, q, k, v, out, lse, causal, scale, band=None, softcap=No
         dq[:, :, :, r0:r1] = torch.matmul(ds, kf) * scale
         dk += torch.matmul(ds.transpose(-1, -2), qg[:, :, :, r0:r1]).sum(2) * scale
         dv += torch.matmul(p.transpose(-1, -2), do).sum(2)
-    return dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    # unrounded: every caller adds a block's gradients into an fp32 accumulator (or sums them further), so a
+    # half-precision result is rounded once, at the end, as one device's is
+    return dq.reshape(q.shape), dk, dv
 
 
 KERNELS: dict[str, Kernel] = {

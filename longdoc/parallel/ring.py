@@ -34,8 +34,9 @@ def _selection(selected: torch.Tensor | None, layout: str, src: int, size: int, 
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring | None, layout: str,
                  causal: bool, scale: float, kernel: Kernel, pattern: Pattern | None = None,
                  band_kernel: Kernel | None = None, runs: Runs | None = None,
-                 selected: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 selected: torch.Tensor | None = None, merged: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (out like q, lse (batch, q_heads, local_len) in fp32/fp64), before any sinks.
+    merged: out in the accumulator dtype, unrounded (for a caller that folds sinks in first, then rounds once).
     `runs`: every ring rank's pieces of the sequence when they are not the layout's (the ring of usp).
     selected: (batch, local_len, n) global key positions per query (longdoc/parallel/selection.py), or None
     (never with `runs`: selected-key attention runs on the ring and all-gather strategies only)."""
@@ -57,7 +58,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring |
         if pending is not None:
             pending.wait()
             kv, spare = spare, kv
-    return out.to(q.dtype), lse
+    return (out if merged else out.to(q.dtype)), lse
 
 
 def _send_home(ring: Ring, dkv: torch.Tensor, steps: int) -> tuple[Pending, torch.Tensor]:
@@ -118,9 +119,9 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, ring, layout, pattern, scale, kernel, band_kernel, selected):
         out, lse = ring_forward(q, k, v, ring, layout, pattern.causal, scale, kernel, pattern, band_kernel,
-                                selected=selected)
+                                selected=selected, merged=sinks is not None)
         if sinks is not None:
-            out, lse = blocks.fold_sinks(out.to(lse.dtype), lse, sinks)
+            out, lse = blocks.fold_sinks(out, lse, sinks)
             out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, sinks, selected)
         ctx.args = (ring, layout, pattern.causal, scale, kernel, pattern, band_kernel)

@@ -297,11 +297,13 @@ def ulysses_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Gri
     # (batch, heads of this rank, group_len, head_dim), the group's tokens in global order
     q_h, k_h, v_h = _seq_to_heads([q, k, v], [heads.q, heads.kv, heads.kv], grid, tokens)
     out_h, lse_h = ring_forward(q_h, _expand(k_h, heads, me), _expand(v_h, heads, me), grid.ring, grid.layout,
-                                pattern.causal, scale, kernel, pattern, band_kernel, tokens.ring_runs)
+                                pattern.causal, scale, kernel, pattern, band_kernel, tokens.ring_runs,
+                                merged=sinks is not None)
     kept = out_h
     if sinks is not None:
         a, b = heads.q[me]
-        kept, lse_h = blocks.fold_sinks(out_h.to(lse_h.dtype), lse_h, sinks[a:b])
+        # folded into the unrounded merge, then rounded once (as one device's softmax with the sink is)
+        kept, lse_h = blocks.fold_sinks(out_h, lse_h, sinks[a:b])
         # kept in fp32 for backward: the sinks gradient reads dout . out, which one device takes from unrounded
         # probabilities; the kernels get it rounded, as here
         out_h = kept.to(q.dtype)

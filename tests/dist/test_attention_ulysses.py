@@ -47,7 +47,7 @@ def _smol_cases(strategy: str) -> list[tuple]:
 
 
 def _all_cases(rank: int, world_size: int, full: bool) -> list[tuple[tuple, dict[str, float], dict | None]]:
-    """(case, errors vs float64, one device's errors on the same shard for bf16 cases, else None) per case."""
+    """(case, errors vs float64, vs_one(...) for bf16 cases, else None) per case."""
     results = []
     for g_i, (strategy, u) in enumerate(grids(world_size)):
         cps = {layout: longdoc.ContextParallel(layout=layout, timeout=60, ulysses_size=u)
@@ -86,19 +86,10 @@ def _check(results, world_size: int) -> None:
     # (pattern, layout, strategy, heads, dtype, grid[, note])
     assert all(c[4] in ("fp32", "bf16") for c, _, _ in results)
     check_cases([(c, e) for c, e, _ in results], world_size)
+    # every bf16 case, usp with a ring axis included, is held to one device's bf16 error as well
     bf16 = [r for r in results if r[2] is not None]
     assert len(bf16) == sum(c[4] == "bf16" for c, _, _ in results) > 0
-    ulysses_only = [r for r in bf16 if _one_kernel(r[0], world_size)]
-    assert ulysses_only
-    check_vs_one_device(ulysses_only)
-
-
-def _one_kernel(case: tuple, world_size: int) -> bool:
-    """Is the case's grid all Ulysses (no ring axis)? Those are held to one device's bf16 error; usp with a ring
-    axis rounds each ring block's dK/dV in the kernel's bf16 before the fp32 sum, as the ring strategy does, and
-    is held to the ring's bounds (check_cases)."""
-    label = case[6] if isinstance(case[1], bool) else case[5]  # (layout, causal, ...) or (pattern, layout, ...)
-    return label in ("ulysses", f"usp{world_size}")
+    check_vs_one_device(bf16)
 
 
 def _long_gqa(rank: int, world_size: int) -> list[tuple[tuple, dict[str, float], dict[str, float]]]:
@@ -119,7 +110,7 @@ def _long_gqa(rank: int, world_size: int) -> list[tuple[tuple, dict[str, float],
 def test_ulysses_bf16_long_gqa_within_one_device_error():
     for results in run_ranks(2, _long_gqa, deadline=600):
         assert len(results) == 12
-        check_vs_one_device([r for r in results if _one_kernel(r[0], 2)])
+        check_vs_one_device(results)
 
 
 def test_ulysses_world_size_1_in_process():
