@@ -3,8 +3,9 @@
     def routes(call: Call) -> dict:                                   # entry point -> fn(torch_fn, *args)
         return {"causal_conv1d_fn": call.conv, "mamba2_chunk_scan": ssd_route(call), ...}
 
-    def cp_forward(module, handle, original, *args, **kwargs):          # a LayerKind's forward
-        return forward(module, handle, original, args, kwargs, routes, required={"mamba2_chunk_scan", ...})
+    register(Routed(name="mamba2", classes=..., routes=routes,          # longdoc.hf.kinds.registry: its forward
+                    routed={"causal_conv1d_fn", "mamba2_chunk_scan", ...},      # is `forward` below, its
+                    required={"causal_conv1d_fn", "mamba2_chunk_scan"}))         # refusal `unrouted`
 
 A transformers mixer calls module-level functions for its sequence mixing (causal_conv1d_fn, mamba2_chunk_scan,
 mamba_selective_scan, ...: the entry points that mamba_ssm / causal_conv1d / hub kernels replace). `route`

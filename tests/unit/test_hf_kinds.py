@@ -100,3 +100,15 @@ def test_mixers_without_a_kind_are_refused_by_name(arch, cp, monkeypatch):
 @pytest.mark.parametrize("arch", models.TINY_ARCHS)
 def test_attention_models_have_no_mixers(arch):
     assert kinds.unknown_mixers(models.tiny_model(arch)) == []
+
+
+def test_each_table_holds_one_shape_and_a_name_is_registered_once():
+    shapes = {id(kinds.ROUTED): kinds.Routed, id(kinds.FORWARDS): kinds.Forward,
+              id(kinds.ATTENTION_TWEAKS): kinds.AttentionTweak, id(kinds.REFUSED): kinds.Refused}
+    for table in (kinds.ROUTED, kinds.FORWARDS, kinds.ATTENTION_TWEAKS, kinds.REFUSED):
+        assert table and all(type(e) is shapes[id(table)] for e in table.values())
+    assert [k.name for k in kinds.KINDS] == [n for t in (kinds.ROUTED, kinds.FORWARDS, kinds.ATTENTION_TWEAKS,
+                                                         kinds.REFUSED) for n in t]
+    with pytest.raises(ValueError, match="'mamba2' is registered already"):
+        kinds.register(kinds.Refused(name="mamba2", matches=lambda m: False, problem=lambda m, h: None))
+    assert type(kinds.ROUTED["mamba2"]) is kinds.Routed

@@ -2,25 +2,28 @@
 
 Attention of every pattern goes through the "longdoc_cp" backend (longdoc.hf.attention). Some layers are not
 attention: recurrent / linear-attention / SSM mixers (Mamba, Gated DeltaNet, ...), short convolutions, the
-DSA indexer. Each such kind is one `LayerKind` (one file under longdoc/hf/kinds/, listed in `KINDS`):
+DSA indexer. Each kind is one file under longdoc/hf/kinds/ that registers one entry (longdoc.hf.kinds.registry)
+in the table of its shape:
 
-    KIND = LayerKind(
+    register(Routed(                               # ROUTED: the module's own forward, entry points routed
         name="mamba2",
+        classes=frozenset({"Mamba2Mixer", "BambaMixer"}),
+        routes=routes,                             # routes(call) -> {entry point: its CP version}
+        routed=ROUTED, required=REQUIRED,          # what it routes; what a forward must have called
         layer_types=frozenset({"mamba"}),          # config.layer_types entries its layers carry
         hybrid_types=frozenset({"hybrid"}),        # entries where it runs BESIDE the layer's attention
-        matches=lambda m: type(m).__name__ in {"Mamba2Mixer", "BambaMixer"},
-        forward=cp_forward,                        # cp_forward(module, handle, original, *args, **kwargs)
-        problem=fused_kernel_problem,              # (feature, fix) to refuse a module by name, or None
-        replaces_attention=True,                   # its layers have no attention module of their own
-        packed=True, decode=True,                  # what it handles exactly (else refused by name)
-    )
+    ))
+    register(Forward(name=..., matches=..., forward=cp_forward, packed=True))   # FORWARDS: longdoc's own forward
+    register(AttentionTweak(name=..., matches=..., forward=...))               # ATTENTION_TWEAKS: beside attention
+    register(Refused(name=..., matches=..., problem=...))                      # REFUSED: refused by name
 
-`patch` calls `attach(hf, handle)`: every module a kind matches gets its `forward` swapped (an instance
-attribute; the model's classes and code are never edited) for `Swapped`, which counts the call on the handle
-and runs `kind.forward` with the module's original bound forward. `detach` undoes it. The kind's forward reads
-everything else from the handle: `handle.cp`, `handle.strategy`, `handle.documents` (packed rows),
-`handle.session` (a KV session's prefill / extend). The maths of each kind lives in longdoc.parallel
-(torch only, knowing no model); a kind file is the adapter from one family's module to that maths.
+The four are read as one tuple `KINDS` of `LayerKind` views (name, matches, forward, problem, layer types, what
+it handles). `patch` calls `attach(hf, handle)`: every module a kind matches gets its `forward` swapped (an
+instance attribute; the model's classes and code are never edited) for `Swapped`, which counts the call on the
+handle and runs `kind.forward` with the module's original bound forward. `detach` undoes it. The kind's forward
+reads everything else from the handle: `handle.cp`, `handle.strategy`, `handle.documents` (packed rows),
+`handle.session` (a KV session's prefill / extend). The maths of each kind lives in longdoc.parallel (torch only,
+knowing no model); a kind file is the adapter from one family's module to that maths.
 
 A module that looks like a sequence mixer but no kind matches is refused by name (`unknown_mixers`), so a
 hybrid model never runs its recurrent layers on sharded tokens unhandled.
@@ -33,34 +36,73 @@ from collections.abc import Callable
 
 from torch import nn
 
-from longdoc.hf import upstream
+from longdoc.hf import recurrent, upstream
 
-# LayerKind lives in base.py so that the kind files can import it without importing this package's __init__
-# (which imports them: an import cycle otherwise).
-from longdoc.hf.kinds.base import LayerKind, _no_problem  # noqa: F401 (kinds._no_problem: the default)
+# Each kind module registers its entry at import (in this order within its table: the matching order).
+from longdoc.hf.kinds import (  # noqa: F401 - imported for their registrations
+    compressed,
+    dsa,
+    gated_deltanet,
+    inkling,
+    kda,
+    lightning,
+    mamba,
+    mamba2,
+    ngram,
+    rglru,
+    rwkv,
+    shortconv,
+    temperature,
+    xlstm,
+    zaya,
+)
+from longdoc.hf.kinds.registry import (
+    ATTENTION_TWEAKS,
+    FORWARDS,
+    REFUSED,
+    ROUTED,
+    TABLES,
+    AttentionTweak,
+    Entry,
+    Forward,
+    LayerKind,
+    Refused,
+    Routed,
+    _no_problem,  # noqa: F401 (kinds._no_problem: the default problem)
+    register,
+)
 
-# The registered kinds, in matching order (first match wins). Each entry: longdoc/hf/kinds/<name>.py's KIND.
-KINDS: tuple[LayerKind, ...] = ()
+
+def _refused_forward(name: str) -> Callable:
+    def forward(module, handle, original, *args, **kwargs):
+        raise RuntimeError(f"longdoc: a {name} layer ran under CP although patch refuses it")  # never reached
+    return forward
 
 
-def _register() -> tuple[LayerKind, ...]:
-    from longdoc.hf.kinds import (  # noqa: PLC0415 - the kind files import this module
-        gated_deltanet,
-        inkling,
-        kda,
-        lightning,
-        mamba,
-        mamba2,
-        ngram,
-        rglru,
-        rwkv,
-        shortconv,
-        xlstm,
-        zaya,
-    )
+def view(entry: Entry) -> LayerKind:
+    """The LayerKind that patch and the session read for a registered entry of any table."""
+    if isinstance(entry, Routed):
+        name = entry.name
 
-    return (mamba2.KIND, mamba2.KIND_PARALLEL, mamba.KIND, shortconv.KIND, inkling.KIND, gated_deltanet.KIND,
-            kda.KIND, lightning.KIND, rglru.KIND, rwkv.KIND, xlstm.KIND, ngram.KIND, zaya.KIND)
+        def routed_forward(module, handle, original, *args, **kwargs):
+            e = ROUTED[name]  # the table's entry at call time (a test may replace it)
+            return recurrent.forward(module, handle, original, args, kwargs, e.routes, e.required)
+
+        return LayerKind(name, lambda m: type(m).__name__ in ROUTED[name].classes, routed_forward,
+                         entry.layer_types, entry.hybrid_types, lambda m, h: recurrent.unrouted(m, ROUTED[name].routed),
+                         entry.replaces_attention, packed=True, decode=True)
+    if isinstance(entry, Forward):
+        return LayerKind(entry.name, entry.matches, entry.forward, entry.layer_types, entry.hybrid_types,
+                         replaces_attention=entry.replaces_attention, packed=entry.packed, decode=entry.decode)
+    if isinstance(entry, AttentionTweak):
+        return LayerKind(entry.name, entry.matches, entry.forward, entry.layer_types, problem=entry.problem,
+                         replaces_attention=False, packed=entry.packed, decode=entry.decode)
+    return LayerKind(entry.name, entry.matches, _refused_forward(entry.name), entry.layer_types, entry.hybrid_types,
+                     entry.problem, replaces_attention=False)
+
+
+# The registered kinds, in matching order (first match wins): every table's entries, as LayerKind views.
+KINDS: tuple[LayerKind, ...] = tuple(view(e) for table in TABLES for e in table.values())
 
 # Sequence mixers that must never run on sharded tokens without a kind (refused by name): these class names,
 # and any convolution or padding module (a time shift) inside the decoder. Case-sensitive, so that e.g.
@@ -208,14 +250,7 @@ def is_swapped(module: nn.Module) -> bool:
     return isinstance(module.__dict__.get("forward"), Swapped)
 
 
-# The registered kinds: the recurrent / linear-attention / conv ones (_register), then the attention-side ones
-# (imported last: each kind file imports LayerKind from kinds.base).
-from longdoc.hf.kinds import compressed as _compressed  # noqa: E402
-from longdoc.hf.kinds import dsa as _dsa  # noqa: E402
-from longdoc.hf.kinds import temperature as _temperature  # noqa: E402
-
-KINDS = (*_register(), _dsa.KIND, _temperature.KIND, _compressed.KIND)
-
-__all__ = ["LayerKind", "KINDS", "Swapped", "attach", "detach", "find", "unknown_mixers", "problems",
-           "attention_layers", "expected_calls", "check_calls", "kind_of", "layer_types", "is_swapped"]
+__all__ = ["LayerKind", "KINDS", "ROUTED", "FORWARDS", "ATTENTION_TWEAKS", "REFUSED", "Routed", "Forward",
+           "AttentionTweak", "Refused", "register", "view", "Swapped", "attach", "detach", "find", "unknown_mixers",
+           "problems", "attention_layers", "expected_calls", "check_calls", "kind_of", "layer_types", "is_swapped"]
 

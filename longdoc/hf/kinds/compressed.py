@@ -19,7 +19,7 @@ and global), but their mask-building code needs routes of its own; not built.
 
 from __future__ import annotations
 
-from longdoc.hf.kinds.base import LayerKind
+from longdoc.hf.kinds.registry import Refused, register
 
 _COMPRESSORS = frozenset({"DeepseekV4CSACompressor", "DeepseekV4HCACompressor"})
 _POOLED = {"Glm5NextTextIndexer": "GLM-5-Next's pooled DSA indexer (top-k over gated pools of index_kpool keys "
@@ -36,15 +36,9 @@ def _refused(module, handle) -> tuple[str, str]:
             f"that cross CP ranks, beside the sliding window: not built under CP yet)", "run this model without CP")
 
 
-def _never(module, handle, original, *args, **kwargs):
-    raise RuntimeError("longdoc: a refused DeepSeek-V4 compressor ran")  # patch refuses the model first
-
-
-KIND = LayerKind(
+KIND = register(Refused(
     name="deepseek_v4_compressed",
     layer_types=frozenset({"compressed_sparse_attention", "heavily_compressed_attention", "indexed_attention"}),
     matches=lambda m: type(m).__name__ in _COMPRESSORS or type(m).__name__ in _POOLED,
-    forward=_never,
     problem=_refused,
-    replaces_attention=False,
-)
+))

@@ -44,7 +44,7 @@ import inspect
 import torch
 from torch.overrides import TorchFunctionMode
 
-from longdoc.hf.kinds.base import LayerKind
+from longdoc.hf.kinds.registry import AttentionTweak, register
 from longdoc.parallel import comm
 from longdoc.parallel import layout as layouts
 
@@ -294,13 +294,10 @@ def _problem(module, handle) -> tuple[str, str] | None:
     return None
 
 
-KIND = LayerKind(
+KIND = register(AttentionTweak(
     name="dsa_indexer",
     layer_types=frozenset({"indexed_attention"}),
     matches=lambda m: type(m).__name__ in INDEXERS,
-    forward=cp_forward,
+    forward=cp_forward,  # the layer's attention then runs the selected keys through the "longdoc_cp" backend
     problem=_problem,
-    replaces_attention=False,  # the layer's attention still runs, through the "longdoc_cp" backend
-    packed=True,
-    decode=True,
-)
+))

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from longdoc.hf import recurrent
-from longdoc.hf.kinds.base import LayerKind
+from longdoc.hf.kinds.registry import Routed, register
 from longdoc.parallel.recurrent import run
 from longdoc.parallel.recurrent.delta import DeltaRule
 
@@ -42,23 +42,19 @@ def delta_scan(call: recurrent.Call) -> Callable:
     return scan
 
 
-def kind(name: str, classes: frozenset[str], chunk_fn: str, step_fn: str) -> LayerKind:
-    """A delta-rule kind: mixers of `classes` whose modeling module calls causal_conv1d_fn and `chunk_fn` (the
-    one-token `step_fn` and causal_conv1d_update only in decoding)."""
-    routed = frozenset({"causal_conv1d_fn", "causal_conv1d_update", chunk_fn, step_fn})
+def kind(name: str, classes: frozenset[str], chunk_fn: str, step_fn: str) -> Routed:
+    """A delta-rule kind, registered: mixers of `classes` whose modeling module calls causal_conv1d_fn and
+    `chunk_fn` (the one-token `step_fn` and causal_conv1d_update only in decoding, which runs the module's own
+    cached path); a forward on sharded tokens must route both the conv and the scan."""
 
     def routes(call: recurrent.Call) -> dict:
         return {"causal_conv1d_fn": call.conv, chunk_fn: delta_scan(call),
                 "causal_conv1d_update": recurrent.never("causal_conv1d_update"), step_fn: recurrent.never(step_fn)}
 
-    def cp_forward(module, handle, original, *args, **kwargs):
-        # decode steps run the module's own cached path; otherwise both the conv and the scan must be routed
-        return recurrent.forward(module, handle, original, args, kwargs, routes,
-                                 frozenset({"causal_conv1d_fn", chunk_fn}))
-
-    return LayerKind(name=name, matches=lambda m: type(m).__name__ in classes, forward=cp_forward,
-                     layer_types=frozenset({"linear_attention"}), problem=lambda m, h: recurrent.unrouted(m, routed),
-                     replaces_attention=True, packed=True, decode=True)
+    return register(Routed(name=name, classes=classes, routes=routes,
+                           routed=frozenset({"causal_conv1d_fn", "causal_conv1d_update", chunk_fn, step_fn}),
+                           required=frozenset({"causal_conv1d_fn", chunk_fn}),
+                           layer_types=frozenset({"linear_attention"})))
 
 
 KIND = kind("gated_deltanet", CLASSES, "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")

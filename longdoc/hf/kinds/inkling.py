@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from longdoc.hf.kinds.base import LayerKind
+from longdoc.hf.kinds.registry import Refused, register
 
 _CONVS = re.compile(r"^Inkling(2|2Loop)?(Dynamic)?ShortConvolution$")
 
@@ -21,9 +21,5 @@ def _problem(module, handle):
             "run this model without context parallelism")
 
 
-def _forward(module, handle, original, *args, **kwargs):
-    raise RuntimeError("longdoc: an Inkling model ran under CP although patch refuses it")  # never reached
-
-
-KIND = LayerKind(name="inkling", matches=lambda m: bool(_CONVS.match(type(m).__name__)), forward=_forward,
-                 hybrid_types=frozenset({"hybrid", "hybrid_sliding"}), problem=_problem, replaces_attention=False)
+KIND = register(Refused(name="inkling", matches=lambda m: bool(_CONVS.match(type(m).__name__)), problem=_problem,
+                        hybrid_types=frozenset({"hybrid", "hybrid_sliding"})))

@@ -14,7 +14,7 @@ import sys
 import torch
 
 from longdoc.hf import recurrent
-from longdoc.hf.kinds.base import LayerKind
+from longdoc.hf.kinds.registry import Forward, register
 from longdoc.parallel.recurrent import run
 from longdoc.parallel.recurrent.lightning import Lightning
 
@@ -34,11 +34,11 @@ def forward(module, handle, original, hidden_states, position_embeddings=None, a
     return module.out_proj(out), None  # (no attention weights: CP attention returns none either)
 
 
-KIND = LayerKind(
+KIND = register(Forward(
     name="lightning",
     matches=lambda m: type(m).__name__ == "MiniMaxLightningAttention",
     forward=forward,
     layer_types=frozenset({"linear_attention"}),
     replaces_attention=True,
     packed=True,
-)
+))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from longdoc.hf import recurrent
-from longdoc.hf.kinds.base import LayerKind
+from longdoc.hf.kinds.registry import Routed, register
 from longdoc.parallel.recurrent import Selective, run
 
 MIXERS = frozenset({"MambaMixer", "FalconMambaMixer", "JambaMambaMixer", "ZambaMambaMixer"})
@@ -41,11 +41,5 @@ def _routes(call: recurrent.Call) -> dict:
 REQUIRED = frozenset({"causal_conv1d_fn", "mamba_selective_scan"})
 
 
-def cp_forward(module, handle, original, *args, **kwargs):
-    return recurrent.forward(module, handle, original, args, kwargs, _routes, REQUIRED)
-
-
-KIND = LayerKind(name="mamba", matches=lambda m: type(m).__name__ in MIXERS, forward=cp_forward,
-                 layer_types=frozenset({"linear_attention"}), hybrid_types=frozenset({"hybrid"}),
-                 problem=lambda m, h: recurrent.unrouted(m, ROUTED), replaces_attention=True, packed=True,
-                 decode=True)
+KIND = register(Routed(name="mamba", classes=MIXERS, routes=_routes, routed=ROUTED, required=REQUIRED,
+                       layer_types=frozenset({"linear_attention"}), hybrid_types=frozenset({"hybrid"})))

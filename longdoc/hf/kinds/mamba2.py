@@ -9,7 +9,7 @@ fused layer kernel is routed to the unfused path; one-token cached updates run o
 from __future__ import annotations
 
 from longdoc.hf import recurrent
-from longdoc.hf.kinds.base import LayerKind
+from longdoc.hf.kinds.registry import Routed, register
 from longdoc.parallel.recurrent import SSD, run
 
 MIXERS = frozenset({"Mamba2Mixer", "BambaMixer", "GraniteMoeHybridMambaLayer", "Zamba2MambaMixer",
@@ -45,17 +45,7 @@ ROUTED = frozenset({"causal_conv1d_fn", "mamba2_chunk_scan", "mamba2_split_conv1
 REQUIRED = frozenset({"causal_conv1d_fn", "mamba2_chunk_scan"})
 
 
-def cp_forward(module, handle, original, *args, **kwargs):
-    return recurrent.forward(module, handle, original, args, kwargs, _routes, REQUIRED)
-
-
-def problem(module, handle):
-    return recurrent.unrouted(module, ROUTED)
-
-
-KIND = LayerKind(name="mamba2", matches=lambda m: type(m).__name__ in MIXERS, forward=cp_forward,
-                 layer_types=frozenset({"linear_attention", "moe", "mlp"}), hybrid_types=frozenset({"hybrid"}),
-                 problem=problem, replaces_attention=True, packed=True, decode=True)
-KIND_PARALLEL = LayerKind(name="mamba2_parallel", matches=lambda m: type(m).__name__ in PARALLEL,
-                          forward=cp_forward, hybrid_types=frozenset({"hybrid"}), problem=problem,
-                          replaces_attention=False, packed=True, decode=True)
+KIND = register(Routed(name="mamba2", classes=MIXERS, routes=_routes, routed=ROUTED, required=REQUIRED,
+                       layer_types=frozenset({"linear_attention", "moe", "mlp"}), hybrid_types=frozenset({"hybrid"})))
+KIND_PARALLEL = register(Routed(name="mamba2_parallel", classes=PARALLEL, routes=_routes, routed=ROUTED,
+                                required=REQUIRED, hybrid_types=frozenset({"hybrid"}), replaces_attention=False))

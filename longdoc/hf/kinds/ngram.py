@@ -8,7 +8,7 @@ so that the refusal names the feature instead of a bare Conv1d.
 
 from __future__ import annotations
 
-from longdoc.hf.kinds.base import LayerKind
+from longdoc.hf.kinds.registry import Refused, register
 
 
 def _problem(module, handle) -> tuple[str, str]:
@@ -18,9 +18,5 @@ def _problem(module, handle) -> tuple[str, str]:
             "configure the model without PLE layers (ple_layer_ids=[]) or run it without CP")
 
 
-def _forward(module, handle, original, *args, **kwargs):
-    raise RuntimeError("longdoc: Qwen4-exp's PLE layer ran under CP; patch refuses it (see longdoc.hf.kinds.ngram)")
-
-
-KIND = LayerKind(name="ngram_embedding", matches=lambda m: type(m).__name__ == "Qwen4ExpTextPLELayer",
-                 forward=_forward, problem=_problem, replaces_attention=False)
+KIND = register(Refused(name="ngram_embedding", matches=lambda m: type(m).__name__ == "Qwen4ExpTextPLELayer",
+                        problem=_problem))

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from longdoc.hf import recurrent
-from longdoc.hf.kinds.base import LayerKind
 from longdoc.hf.kinds.primitives import shadowed
+from longdoc.hf.kinds.registry import Forward, register
 from longdoc.parallel.recurrent import run
 from longdoc.parallel.recurrent.rglru import Rglru
 
@@ -39,11 +39,11 @@ def forward(module, handle, original, input_states, position_ids, attention_mask
         return original(input_states, position_ids, attention_mask, False, **kwargs)
 
 
-KIND = LayerKind(
+KIND = register(Forward(
     name="rglru",
     matches=lambda m: type(m).__name__ == "RecurrentGemmaRecurrentBlock",
     forward=forward,
     layer_types=frozenset({"linear_attention"}),  # config.layer_types names the recurrent blocks so
     replaces_attention=True,
     packed=True,
-)
+))

@@ -17,8 +17,8 @@ from __future__ import annotations
 import sys
 
 from longdoc.hf import recurrent
-from longdoc.hf.kinds.base import LayerKind
 from longdoc.hf.kinds.primitives import fresh, last_token, shadowed, shift
+from longdoc.hf.kinds.registry import Forward, register
 from longdoc.parallel.recurrent import run
 from longdoc.parallel.recurrent.rwkv import Wkv
 
@@ -54,10 +54,10 @@ def forward(module, handle, original, hidden, state=None, use_cache=False):
     return out, state
 
 
-KIND = LayerKind(
+KIND = register(Forward(
     name="rwkv",
     matches=lambda m: type(m).__name__ in (_TIME_MIX, _CHANNEL_MIX),
     forward=forward,
     replaces_attention=True,  # RWKV has no attention layers (nor config.layer_types): both mixes count here
     packed=True,
-)
+))

@@ -7,7 +7,7 @@ document from whichever ranks hold them (zeros at a document start). No state be
 from __future__ import annotations
 
 from longdoc.hf import recurrent
-from longdoc.hf.kinds.base import LayerKind
+from longdoc.hf.kinds.registry import Routed, register
 
 MIXERS = frozenset({"Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv"})
 ROUTED = frozenset({"causal_conv1d_fn", "causal_conv1d_update"})
@@ -17,10 +17,5 @@ def _routes(call: recurrent.Call) -> dict:
     return {"causal_conv1d_fn": call.conv, "causal_conv1d_update": recurrent.never("causal_conv1d_update")}
 
 
-def cp_forward(module, handle, original, *args, **kwargs):
-    return recurrent.forward(module, handle, original, args, kwargs, _routes, frozenset({"causal_conv1d_fn"}))
-
-
-KIND = LayerKind(name="shortconv", matches=lambda m: type(m).__name__ in MIXERS, forward=cp_forward,
-                 layer_types=frozenset({"conv"}), problem=lambda m, h: recurrent.unrouted(m, ROUTED),
-                 replaces_attention=True, packed=True, decode=True)
+KIND = register(Routed(name="shortconv", classes=MIXERS, routes=_routes, routed=ROUTED,
+                       required=frozenset({"causal_conv1d_fn"}), layer_types=frozenset({"conv"})))

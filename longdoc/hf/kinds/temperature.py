@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from longdoc.hf.kinds.base import LayerKind
+from longdoc.hf.kinds.registry import AttentionTweak, register
 
 
 def _matches(module) -> bool:
@@ -55,14 +55,11 @@ def scale_queries(module, handle, query: torch.Tensor, documents=None) -> torch.
 
 def is_tuned(module) -> bool:
     forward = module.__dict__.get("forward")
-    return getattr(forward, "kind", None) is KIND
+    return getattr(getattr(forward, "kind", None), "name", None) == KIND.name
 
 
-KIND = LayerKind(
+KIND = register(AttentionTweak(
     name="llama4_temperature",
     matches=_matches,
-    forward=cp_forward,
-    replaces_attention=False,  # the layer's attention runs, through the "longdoc_cp" backend
-    packed=True,
-    decode=True,
-)
+    forward=cp_forward,  # the layer's attention runs, through the "longdoc_cp" backend, which scales the queries
+))

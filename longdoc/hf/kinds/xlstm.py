@@ -14,8 +14,8 @@ from __future__ import annotations
 import sys
 
 from longdoc.hf import recurrent
-from longdoc.hf.kinds.base import LayerKind
 from longdoc.hf.kinds.primitives import fresh
+from longdoc.hf.kinds.registry import Forward, register
 from longdoc.parallel.batch import CPInputError
 from longdoc.parallel.recurrent import run
 from longdoc.parallel.recurrent.mlstm import Mlstm
@@ -49,10 +49,10 @@ def forward(module, handle, original, query, key, value, igate, fgate, c_initial
     return res.y, res.final
 
 
-KIND = LayerKind(
+KIND = register(Forward(
     name="xlstm",
     matches=lambda m: type(m).__name__ == "xLSTMBackend",
     forward=forward,
     replaces_attention=True,  # xLSTM has no attention layers and no config.layer_types
     packed=False,
-)
+))

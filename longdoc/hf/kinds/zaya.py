@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from longdoc.hf import recurrent
-from longdoc.hf.kinds.base import LayerKind
+from longdoc.hf.kinds.registry import Forward, register
 from longdoc.parallel.recurrent import Segments, by_row, halo, tail
 
 
@@ -60,6 +60,6 @@ def cp_forward(module, handle, original, hidden_states, cache=None, conv_mask=No
     return tuple(torch.cat(parts, dim=0) for parts in zip(*rows))
 
 
-KIND = LayerKind(name="zaya_cca", matches=lambda m: type(m).__name__ == "ZayaCCAProjection", forward=cp_forward,
-                 hybrid_types=frozenset({"hybrid", "hybrid_sliding"}), replaces_attention=False, packed=True,
-                 decode=True)
+KIND = register(Forward(name="zaya_cca", matches=lambda m: type(m).__name__ == "ZayaCCAProjection",
+                       forward=cp_forward, hybrid_types=frozenset({"hybrid", "hybrid_sliding"}),
+                       replaces_attention=False, packed=True, decode=True))
