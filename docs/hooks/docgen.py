@@ -170,6 +170,10 @@ def performance() -> str:
             parts += [f"### Suite run: docs/bench/{path.name}", "", suite.to_markdown(data)]
         elif {"median_s", "ratios"} <= set(data):
             parts += [f"### Attention patterns run: docs/bench/{path.name}", "", patterns.to_markdown(data)]
+        elif "tile_tokens" in data:
+            from longdoc.bench import tiled_mlp
+
+            parts += [f"### Tiled MLP step-time cost: docs/bench/{path.name}", "", tiled_mlp.to_markdown(data)]
         elif data.get("kind") == "gpu-check":
             parts += [f"### GPU check: docs/bench/{path.name}", "", gpu_check_markdown(data)]
         else:

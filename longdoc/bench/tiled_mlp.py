@@ -17,7 +17,7 @@ import argparse
 import json
 import os
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -27,6 +27,12 @@ SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_attention_heads
                     rope_theta=100000.0, tie_word_embeddings=True)
 
 
+def _native_bf16() -> bool:
+    from longdoc.plan.hardware import cpu_precision
+
+    return cpu_precision() == "bf16"
+
+
 @dataclass(kw_only=True)
 class TiledMlpBenchConfig:
     seq_len: int = 8192
@@ -34,7 +40,8 @@ class TiledMlpBenchConfig:
     tile_tokens: int | None = None  # None: the model's hidden size (the recipe default)
     repeats: int = 3  # timed steps of each variant, after one warm-up step each
     threads: int = 2
-    autocast: bool = True  # bf16 autocast (what train.mixed_precision=auto picks on a bf16 CPU)
+    # bf16 autocast where train.mixed_precision=auto picks it (a CPU with native bf16), else fp32
+    autocast: bool = field(default_factory=lambda: _native_bf16())
     vocab_size: int = SMOLLM2_135M["vocab_size"]  # smaller only for smoke tests
     seed: int = 0
 
@@ -89,6 +96,7 @@ def run(cfg: TiledMlpBenchConfig, log=print) -> dict:
             log(f"tiled-mlp bench: {name} step {i}: {elapsed:.2f} s")
     med = {name: statistics.median(t) for name, t in times.items()}
     return {"config": asdict(cfg), "tile_tokens": cfg.tile_tokens or SMOLLM2_135M["hidden_size"],
+            "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
             "seconds": times, "median_s": med, "ratio": med["tiled"] / med["untiled"],
             "load_start": load_start, "load_end": os.getloadavg()[0]}
 
@@ -96,7 +104,8 @@ def run(cfg: TiledMlpBenchConfig, log=print) -> dict:
 def to_markdown(res: dict) -> str:
     c = res["config"]
     return "\n".join([
-        f"SmolLM2-135M shape, {c['layers']} layers, vocabulary {c['vocab_size']}, {c['seq_len']} tokens, "
+        f"{res.get('date', 'undated')}: SmolLM2-135M shape, {c['layers']} layers, vocabulary {c['vocab_size']}, "
+        f"{c['seq_len']} tokens, "
         f"tile {res['tile_tokens']} tokens, "
         f"{c['threads']} threads, {'bf16 autocast' if c['autocast'] else 'fp32'}; load average "
         f"{res['load_start']:.2f} -> {res['load_end']:.2f}", "",
@@ -116,12 +125,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tile-tokens", type=int, help="tokens per MLP tile (default: the hidden size, 576)")
     p.add_argument("--threads", type=int, help="torch threads (default 2)")
     p.add_argument("--repeats", type=int, help="timed steps of each variant (default 3)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default=None,
+                   help="default: what training picks on this CPU (bf16 autocast with native bf16, else fp32)")
     p.add_argument("--json", help="also write the result here")
     args = p.parse_args(argv)
     cfg = QUICK if args.quick else TiledMlpBenchConfig()
     given = {"seq_len": args.seq_len, "layers": args.layers, "vocab_size": args.vocab_size,
              "tile_tokens": args.tile_tokens, "threads": args.threads, "repeats": args.repeats}
-    cfg = TiledMlpBenchConfig(**{**asdict(cfg), **{k: v for k, v in given.items() if v}})
+    if args.precision:
+        given["autocast"] = args.precision == "bf16"
+    cfg = TiledMlpBenchConfig(**{**asdict(cfg), **{k: v for k, v in given.items() if v is not None}})
     res = run(cfg)
     print(to_markdown(res))
     if args.json:

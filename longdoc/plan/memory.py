@@ -31,9 +31,10 @@ the ring: being sent, being received, accumulating) * 2*N*kv*4. All-gather: full
 (parts + ordered copy) + fp32 dK/dV for the whole sequence and its reduce-scatter parts 2*cp*2*N*kv*4.
 Ulysses / usp: the q/k/v gradients in token and head layout with their all-to-all copies, and usp's outer
 ring buffers over U*N tokens (longdoc/plan/strategies.py `buffers`).
-FSDP2 buffers: forward 2*P_l*c (current + prefetched layer), backward P_l*(3c + 4) (two layers of
-params, the unsharded gradient and its fp32 reduce copy); the root unit (embedding, lm_head, norm) stays
-unsharded from forward to the end of backward: P_root*c, + its lm_head gradient P_head*c.
+FSDP2 buffers (f bytes per gathered parameter: c on GPUs, FSDP2's bf16 mixed precision; 4 on CPU, where
+fully_shard gathers the fp32 weights): forward 2*P_l*f (current + prefetched layer), backward P_l*(3f + 4) (two
+layers of params, the unsharded gradient and its fp32 reduce copy); the root unit (embedding, lm_head, norm) stays
+unsharded from forward to the end of backward: P_root*f, + its lm_head gradient P_head*f.
 CPU bf16 autocast (weights fp32, c = 2 for matmul outputs): the residual stream, the norms and RoPE's cos/sin
 stay fp32 (r = 4 where the text above says c), a norm's output is not kept, and each trainable linear reading it
 keeps its own bf16 copy c*h (3 for q/k/v, 2 for gate/up; fused projections one); autocast's bf16 weight
@@ -110,16 +111,19 @@ def estimate(s: Setup) -> MemoryEstimate:
                  layers * a)
 
     head_params = 0 if s.lora else (sh.params.head or sh.params.embed)
-    # lm_head gradient (tied: the embedding's): under FSDP it stays unsharded in compute dtype until the
+    # f: bytes of a gathered parameter and its unsharded gradient: FSDP2's bf16 mixed precision on GPUs; on CPU
+    # longdoc's fully_shard has no mixed-precision policy, so it gathers the fp32 weights (the autocast casts follow)
+    f = c if dev.is_gpu else 4
+    # lm_head gradient (tied: the embedding's): under FSDP it stays unsharded in the gathered dtype until the
     # root unit's backward ends; otherwise it is the fp32 gradient itself.
-    hg_bytes = head_params * (c if s.uses_fsdp else 4)
+    hg = f if s.uses_fsdp else 4
     head_grad = T("lm_head gradient", "fsdp_buffers" if s.uses_fsdp else "grads",
-                  f"P_head*{c if s.uses_fsdp else 4} = {head_params:,}*{c if s.uses_fsdp else 4}", hg_bytes)
+                  f"P_head*{'f' if s.uses_fsdp else 4} = {head_params:,}*{hg}", head_params * hg)
     fsdp_root = []
     if s.uses_fsdp:
         p_root = p - sh.params.layers  # not resharded after forward: gathered from forward to backward's end
         fsdp_root = [T("FSDP root unit (embedding, lm_head, norm) gathered", "fsdp_buffers",
-                       f"P_root*c = {p_root:,}*{c}", p_root * c)]
+                       f"P_root*f = {p_root:,}*{f}", p_root * f)]
 
     # forward of the last layer: every checkpoint + that layer's largest temporaries (gate, up, act)
     casts = _autocast_weights(s)
@@ -128,7 +132,7 @@ def estimate(s: Setup) -> MemoryEstimate:
                                             f"3*c*{tn}*I = 3*{c}*{t_mlp:,}*{i:,}", 3 * c * t_mlp * i), *fsdp_root]
     if s.uses_fsdp:
         forward.append(T("FSDP layers gathered (current + prefetched)", "fsdp_buffers",
-                         f"2*P_l*c = 2*{p_l:,}*{c}", 2 * p_l * c))
+                         f"2*P_l*f = 2*{p_l:,}*{f}", 2 * p_l * f))
 
     # loss: the CE backward of the last chunk; earlier chunks' lm_head gradient exists already
     loss = [*state, saved(nl), rotary, *casts["loss"],
@@ -175,7 +179,7 @@ def estimate(s: Setup) -> MemoryEstimate:
             terms.append(head_grad)
         if s.uses_fsdp:
             terms += [*fsdp_root, T("FSDP layer buffers (2 gathered, grad, fp32 reduce copy)", "fsdp_buffers",
-                                    f"P_l*(3c + 4) = {p_l:,}*(3*{c} + 4)", p_l * (3 * c + 4))]
+                                    f"P_l*(3f + 4) = {p_l:,}*(3*{f} + 4)", p_l * (3 * f + 4))]
         return terms
 
     backward = max((backward_at(j) for j in range(nl)), key=lambda ts: sum(t.bytes for t in ts))

@@ -132,3 +132,31 @@ def test_plan_cli_flags(capsys):
     out = capsys.readouterr().out
     assert rc == 0 and "tiled MLP" in out and "FSDP2" in out and "longest sequence that fits" in out
     assert "train.tiled_mlp=true" in out
+
+
+def test_planner_within_5_percent_of_the_measured_reduced_depth_runs():
+    """The 135M-shaped runs with FSDP and the tiled MLP at 54k (cp=2) and 96k (cp=4) tokens, measured on a quiet
+    bf16 CPU (docs/bench/longest-cpu-2026-12-05.jsonl): the planner at the same depth is within 5% of each peak."""
+    import json
+    from pathlib import Path
+
+    from longdoc.bench.calibrate import predict
+    from longdoc.bench.runs import TrainRun
+
+    path = Path(__file__).parents[2] / "docs" / "bench" / "longest-cpu-2026-12-05.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    assert len(rows) >= 4
+    for row in rows:
+        spec = {k: v for k, v in row["run"].items() if k != "label"}
+        predicted = predict(TrainRun(**spec)).total_gib
+        assert abs(predicted / row["peak_gib"] - 1) <= 0.05, (row["run"]["label"], predicted, row["peak_gib"])
+
+
+def test_135m_longest_under_4_gib_at_full_depth():
+    """Issue 28's CPU acceptance, from the planner checked above: SmolLM2-135M full fine-tuning in bf16 autocast
+    under 4 GiB per process, at least 2.5x the 21.5k tokens of cp=2 before the features, and cp=4 1.8x cp=2."""
+    base = dict(model="SmolLM2-135M", seq_len=1 << 20, gpu="cpu", memory_gib=4, precision="bf16", checkpointing=True)
+    before = longest_fitting(PlanRequest(**base, gpus=2, cp=2, fsdp=False, tiled_mlp=False, loss_chunk=1024))
+    cp2 = longest_fitting(PlanRequest(**base, gpus=2, cp=2))
+    cp4 = longest_fitting(PlanRequest(**base, gpus=4, cp=4))
+    assert before == 21504 and cp2 >= 2.5 * 21504 and cp4 >= 1.8 * cp2, (before, cp2, cp4)

@@ -52,7 +52,10 @@ from longdoc.parallel import layout as layouts
 # (B, S, T) masked by attention_mask (bool: hidden where False), then index_scores.topk(min(index_topk, T)).
 INDEXERS = frozenset({"DeepseekV32Indexer", "GlmMoeDsaIndexer", "MistralLarge4TextIndexer", "HYV4Indexer",
                       "HYV4VLIndexer", "AXK2Indexer", "Dots3NoteTextIndexer"})
-SCORE_ELEMENTS = 1 << 25  # per-head index scores per query tile (128 MB in fp32)
+# per-head index scores per query tile: 16 MB in fp32 (32 MB as float64 on CUDA). The tile is a per-rank constant
+# (its rows score every global key), so it is kept small beside what shrinks with cp (bench kinds: at 8k the
+# 128 MB tile of 1 << 25 left a cp=2 rank at 0.76x the one-process peak)
+SCORE_ELEMENTS = 1 << 22
 
 
 class _Keys:
