@@ -346,6 +346,11 @@ LONG_PLANS = (
     ("Llama-3.1-8B, LoRA, 400k tokens, 1 x H100",
      dict(model="Llama-3.1-8B", seq_len=400 * 1024, gpus=1, gpu="h100", lora=True),
      "--model Llama-3.1-8B --seq-len 400k --gpus 1 --lora"),
+    *((f"SmolLM2-135M, full fine-tuning, bf16 autocast, {n // 1024}k tokens, cp={cp} CPU ranks under 4 GiB",
+       dict(model="SmolLM2-135M", seq_len=n, gpus=cp, cp=cp, gpu="cpu", memory_gib=4, precision="bf16",
+            checkpointing=True),
+       f"--model SmolLM2-135M --seq-len {n // 1024}k --gpus {cp} --cp {cp} --gpu cpu --memory-gib 4 --precision bf16 "
+       f"--checkpointing") for cp, n in ((2, 54 * 1024), (4, 125 * 1024))),
 )
 
 
@@ -356,18 +361,17 @@ def long_plans() -> str:
 
     from longdoc.plan.planner import PlanRequest, longest_fitting, plan
 
-    lines = ["| run | `longdoc plan` options | without offload / tiled MLP | recommended with them | longest that fits "
-             "(without -> with) |", "|---|---|---|---|---:|"]
+    lines = ["| run | `longdoc plan` options | without offload / tiled MLP (/ FSDP on CPU) | recommended with them | "
+             "longest that fits (without -> with) |", "|---|---|---|---|---:|"]
     for label, kw, options in LONG_PLANS:
         req = PlanRequest(**kw)
-        off = dataclasses.replace(req, offload=False, tiled_mlp=False)
+        off = dataclasses.replace(req, offload=False, tiled_mlp=False, fsdp=None if req.dev.is_gpu else False)
         without, best = plan(off), plan(req).best
         before = (f"{without.best.memory.total_gib:.1f} GiB" if without.best else
                   f"does not fit ({without.closest.memory.total_gib:.1f} GiB)")
         after = f"{best.describe()}: {best.memory.total_gib:.1f} GiB" if best else "does not fit"
         far = dataclasses.replace(req, seq_len=1 << 24)
-        longest = f"{longest_fitting(dataclasses.replace(far, offload=False, tiled_mlp=False)):,} -> " \
-                  f"{longest_fitting(far):,}"
+        longest = f"{longest_fitting(dataclasses.replace(off, seq_len=far.seq_len)):,} -> {longest_fitting(far):,}"
         lines.append(f"| {label} | `{options}` | {before} | {after} | {longest} |")
     return "\n".join(lines)
 
