@@ -238,6 +238,13 @@ def _notes(s: Setup) -> list[str]:
     if s.shape.max_positions and s.seq_len > s.shape.max_positions:
         notes.append(f"seq_len {s.seq_len} exceeds the model's context ({s.shape.max_positions}); train with "
                      f"model.rope_type=yarn and a rope_factor")
+    if s.shape.mixers:
+        notes.append(f"hybrid model ({', '.join(s.shape.mixers)} layers): every layer is priced as an attention layer; "
+                     f"the recurrent state summaries, conv halos and chunk (SSD) intermediates are not modelled yet, "
+                     f"so measure it (`longdoc bench kinds`, a short `longdoc train` run)")
+    if s.shape.sparse:
+        notes.append("sparse indexed attention (DSA): priced as dense attention; the indexer's key cache and its "
+                     "16 MB score tile per rank are not modelled yet")
     if s.offloads:
         host = s.shape.layers * s.tokens * s.shape.hidden * s.c
         notes.append(f"offloaded layer checkpoints take {host / GIB:.1f} GiB of (pinned) host memory per rank")

@@ -67,6 +67,10 @@ class ModelShape:
     moe: bool
     max_positions: int
     params: ParamCount
+    # layer kinds other than attention that the config names (hybrids: "mamba", "linear_attention", ...), and
+    # whether attention is DeepSeek's sparse indexed kind: the memory model prices every layer as an attention layer
+    mixers: tuple[str, ...] = ()
+    sparse: bool = False
 
     @property
     def q(self) -> int:
@@ -137,6 +141,20 @@ def _partial_rotary(text) -> float:
     return float(factor or _get(text, "partial_rotary_factor", default=1.0))
 
 
+ATTENTION_LAYER_TYPES = frozenset({"attention", "full_attention", "sliding_attention", "chunked_attention",
+                                   "global_attention", "local_attention", "sliding_window_attention", "hybrid",
+                                   "indexed_attention"})
+
+
+def _mixers(text) -> tuple[str, ...]:
+    """The config's non-attention layer kinds (`layer_types`, `layers_block_type`, or a pure SSM's model type)."""
+    types = _get(text, "layer_types", "layers_block_type") or []
+    kinds = sorted({str(t) for t in types if isinstance(t, str)} - ATTENTION_LAYER_TYPES)
+    if not kinds and any(k in text.model_type for k in ("mamba", "rwkv", "xlstm")):
+        kinds = [text.model_type]
+    return tuple(kinds)
+
+
 def shape_from_config(config, name: str = "") -> ModelShape:
     """A ModelShape from a transformers config (text part of multimodal configs)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -161,6 +179,7 @@ def shape_from_config(config, name: str = "") -> ModelShape:
         fused_qkv=text.model_type in ("phi3",),
         rotary_dim=int(head_dim * _partial_rotary(text)), moe=moe,
         max_positions=int(_get(text, "max_position_embeddings", default=0)), params=params,
+        mixers=_mixers(text), sparse=_get(text, "index_topk") is not None,
     )
 
 

@@ -160,3 +160,12 @@ def test_135m_longest_under_4_gib_at_full_depth():
     cp2 = longest_fitting(PlanRequest(**base, gpus=2, cp=2))
     cp4 = longest_fitting(PlanRequest(**base, gpus=4, cp=4))
     assert before == 21504 and cp2 >= 2.5 * 21504 and cp4 >= 1.8 * cp2, (before, cp2, cp4)
+
+
+def test_hybrid_and_sparse_models_are_labelled_not_silently_priced_as_llama_layers():
+    hybrid = estimate(Setup(shape=model_shape("tiny:granitemoehybrid"), seq_len=4096, device="cpu"))
+    assert model_shape("tiny:granitemoehybrid").mixers and any("hybrid model" in n for n in hybrid.notes)
+    dsa = estimate(Setup(shape=model_shape("tiny:deepseek_v32"), seq_len=4096, device="cpu"))
+    assert model_shape("tiny:deepseek_v32").mixers == () and any("DSA" in n for n in dsa.notes)
+    plain = estimate(Setup(shape=model_shape("tiny:llama"), seq_len=4096, device="cpu"))
+    assert not any("hybrid" in n or "DSA" in n for n in plain.notes)
