@@ -263,6 +263,13 @@ def headline(performance_page: str = "performance.md") -> str:
     if longest.get("rows"):
         lines.append(f"- longest training sequence under a {longest['cap_gib']} GiB per-process cap: "
                      + ", ".join(f"{r['measured_longest']:,} tokens at cp={r['cp']}" for r in longest["rows"]))
+    kinds = sec.get("kinds")
+    if kinds and kinds.get("rows"):
+        c = kinds["config"]
+        per = ", ".join(f"{r['kind']} {r['ratios']['peak']:.2f} / {r['ratios']['rss_growth']:.2f}"
+                        for r in kinds["rows"])
+        lines.append(f"- per-rank memory of one fwd+bwd at {c['seq_len']:,} tokens, cp={c['ranks']} vs one process "
+                     f"(tracked peak / RSS growth): {per}")
     cal = [r for r in sec.get("calibration") or [] if r.get("calibrated", True)]
     if cal:
         worst = max(abs(r["error"]) for r in cal)
