@@ -331,10 +331,12 @@ def recipe_plans() -> str:
         options = (f"--model {model} --seq-len {r.data.seq_len // 1024}k --gpus {gpus} --gpu {gpu} --cp {r.cp_size}"
                    f"{' --checkpointing' if t.activation_checkpointing else ''}"
                    f"{f' --loss-chunk {t.loss_chunk_tokens}' if t.loss_chunk_tokens else ''} "
-                   f"--strategy {t.strategy}")
+                   f"--strategy {t.strategy} --{'' if t.fsdp else 'no-'}fsdp "
+                   f"--{'' if t.offload_checkpoints else 'no-'}offload --{'' if t.tiled_mlp else 'no-'}tiled-mlp")
         best = plan(PlanRequest(model=model, seq_len=r.data.seq_len, gpus=gpus, gpu=gpu, cp=r.cp_size,
                                 checkpointing=bool(t.activation_checkpointing), loss_chunk=t.loss_chunk_tokens,
-                                strategy=t.strategy, offload=t.offload_checkpoints, tiled_mlp=t.tiled_mlp)).best
+                                strategy=t.strategy, offload=t.offload_checkpoints, tiled_mlp=t.tiled_mlp,
+                                fsdp=t.fsdp)).best
         names = ", ".join(f"`{f}`" for f in files) + (" (same model and shape)" if len(files) > 1 else "")
         if best is None:
             lines.append(f"| {names} | `{options}` | does not fit | - | - |")
@@ -361,6 +363,11 @@ LONG_PLANS = (
 )
 
 
+def _upto(n: int, ceiling: int) -> str:
+    """A longest-fitting length, or "at least" it where the search's ceiling itself fits."""
+    return f"at least {n:,}" if n == ceiling else f"{n:,}"
+
+
 def long_plans() -> str:
     """The planner with and without the memory features (offload, tiled MLP) on the longest-document anchors,
     computed now by the code in this checkout: formulas until a device measures them."""
@@ -378,7 +385,9 @@ def long_plans() -> str:
                   f"does not fit ({without.closest.memory.total_gib:.1f} GiB)")
         after = f"{best.describe()}: {best.memory.total_gib:.1f} GiB" if best else "does not fit"
         far = dataclasses.replace(req, seq_len=1 << 24)
-        longest = f"{longest_fitting(dataclasses.replace(off, seq_len=far.seq_len)):,} -> {longest_fitting(far):,}"
+
+        longest = " -> ".join(_upto(longest_fitting(r), far.seq_len)
+                              for r in (dataclasses.replace(off, seq_len=far.seq_len), far))
         lines.append(f"| {label} | `{options}` | {before} | {after} | {longest} |")
     return "\n".join(lines)
 

@@ -44,11 +44,20 @@ class Candidate:
         keys = [f"cp_size={s.cp}", f"train.strategy={s.strategy}",
                 f"train.activation_checkpointing={str(s.checkpointing).lower()}"]
         if s.strategy == "usp":
-            keys.append(f"train.ulysses_size={s.ulysses_size}")
+            keys.append(f"ulysses_size={s.ulysses_size}")  # a top-level recipe key, beside cp_size
         keys += [f"train.fsdp={str(s.uses_fsdp).lower()}", f"train.offload_checkpoints={str(s.offload).lower()}",
                  f"train.tiled_mlp={str(s.tiled_mlp).lower()}"]
+        if s.tiled_mlp and s.mlp_tile:
+            keys.append(f"train.mlp_tile_tokens={s.mlp_tile}")
         if s.loss_chunk:
             keys.append(f"train.loss_chunk_tokens={s.loss_chunk}")
+        if s.micro_batch > 1:  # the step's batch: one micro-batch per replica (more accumulates, same memory)
+            keys += [f"train.micro_batch_size={s.micro_batch}", f"train.batch_size={s.micro_batch * s.dp}"]
+        keys.append(f"lora.enabled={str(s.lora).lower()}")
+        if s.lora and s.dev.is_gpu:  # the plan prices a frozen bf16 base
+            keys.append("model.dtype=bfloat16")
+        if not s.dev.is_gpu:  # the precision the plan assumed, pinned (auto picks by the CPU's bf16 support)
+            keys.append(f"train.mixed_precision={'bf16' if s.dev.autocast else 'no'}")
         return " ".join(keys)
 
     def to_dict(self) -> dict:
@@ -80,13 +89,18 @@ def _rank_key(c: Candidate) -> tuple:
             STRATEGIES.index(s.strategy), -(s.ulysses_size or 0))
 
 
-def choose(candidates: list[Candidate]) -> Candidate | None:
+def _pool(candidates: list[Candidate]) -> list[Candidate]:
+    """The fitting candidates the recommendation is made among: those with the GPU headroom, if any has it."""
     fitting = [c for c in candidates if c.fits]
-    if not fitting:
-        return None
     roomy = [c for c in fitting if not c.setup.dev.is_gpu
              or c.memory.total_gib <= (1 - GPU_HEADROOM) * c.capacity_gib]
-    fitting = roomy or fitting
+    return roomy or fitting
+
+
+def choose(candidates: list[Candidate]) -> Candidate | None:
+    fitting = _pool(candidates)
+    if not fitting:
+        return None
     top = max(c.time.tokens_per_s for c in fitting)
     near = [c for c in fitting if c.time.tokens_per_s >= (1 - TIE) * top]
     return min(near, key=_rank_key)
@@ -117,7 +131,10 @@ def explain(cands: list[Candidate], best: Candidate | None) -> str:
     if best is None:
         return ""
     b = best.setup
-    peers = [c for c in cands if (c.setup.cp, c.setup.checkpointing) == (b.cp, b.checkpointing)]
+    def features(s: Setup) -> tuple:
+        return s.cp, s.checkpointing, s.offload, s.tiled_mlp, s.uses_fsdp
+
+    peers = [c for c in cands if features(c.setup) == features(b)]
     if b.cp == 1:
         return "cp=1: no context parallelism, every strategy is the same single-device attention"
     rows = []
@@ -129,11 +146,15 @@ def explain(cands: list[Candidate], best: Candidate | None) -> str:
         delta = c.time.total / best.time.total - 1
         rows.append(f"{label} {c.time.total:.4g} s/step" + ("" if c is best else f" ({delta:+.1%})")
                     + f" [{_why_slower(c)}]")
-    fastest = max((c for c in cands if c.fits), key=lambda c: c.time.tokens_per_s)
+    pool = _pool(cands)
+    fastest = max(pool, key=lambda c: c.time.tokens_per_s)
+    roomy = "" if len(pool) == sum(c.fits for c in cands) else \
+        (f" (among the configurations that leave {GPU_HEADROOM:.0%} of the GPU free: GPU figures are unmeasured "
+         f"formulas; {sum(c.fits for c in cands) - len(pool)} fitting ones do not)")
     if fastest is best:
-        head = f"{strategy_label(b)} is the fastest fitting configuration"
+        head = f"{strategy_label(b)} is the fastest fitting configuration{roomy}"
     else:
         head = (f"{strategy_label(b)} at cp={b.cp} is within {TIE:.0%} of the fastest ({fastest.describe()}, "
-                f"{fastest.time.total:.4g} s/step), and near ties go to the smaller cp, then no checkpointing, then "
-                f"the faster")
+                f"{fastest.time.total:.4g} s/step){roomy}, and near ties go to the smaller cp, then no checkpointing, "
+                f"no offload, no tiled MLP, no CPU FSDP, then the faster")
     return f"{head}; at cp={b.cp} dp={b.dp}: " + "; ".join(rows)

@@ -90,18 +90,20 @@ def _main(args: argparse.Namespace) -> int:
                           fsdp=args.fsdp, layers=args.layers,
                           precision=args.precision)
         result = plan(req)
-        longest = longest_fitting(dataclasses.replace(req, seq_len=max(req.seq_len, 1 << 24))) if args.longest \
-            else None
+        ceiling = max(req.seq_len, 1 << 24)
+        longest = longest_fitting(dataclasses.replace(req, seq_len=ceiling)) if args.longest else None
     except ValueError as e:
         print(f"longdoc plan: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(result.to_dict() | ({"longest_fitting": longest} if args.longest else {}), indent=2))
+        extra = {"longest_fitting": longest, "longest_searched_up_to": ceiling} if args.longest else {}
+        print(json.dumps(result.to_dict() | extra, indent=2))
     else:
         from longdoc.plan.report import render_plan
 
         print(render_plan(result, show_all=args.all))
         if longest is not None:
-            print(f"longest sequence that fits as the options allow: {longest:,} tokens" if longest else
+            at_least = "at least " if longest == ceiling else ""  # the search's ceiling fits: longer may too
+            print(f"longest sequence that fits as the options allow: {at_least}{longest:,} tokens" if longest else
                   "no sequence length fits as the options allow")
     return 0 if result.best is not None else 1

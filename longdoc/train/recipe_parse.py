@@ -92,6 +92,8 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
                f"must be a number, got {value!r}")
         return float(value)
     if tp is str:
+        if value is False and key.endswith("mixed_precision"):
+            return "no"  # YAML 1.1 reads `no` as false: `train.mixed_precision=no` means what it says
         check(isinstance(value, (str, int, float)) and not isinstance(value, bool), key,
                f"must be a string, got {value!r}")
         return str(value)

@@ -169,3 +169,36 @@ def test_hybrid_and_sparse_models_are_labelled_not_silently_priced_as_llama_laye
     assert model_shape("tiny:deepseek_v32").mixers == () and any("DSA" in n for n in dsa.notes)
     plain = estimate(Setup(shape=model_shape("tiny:llama"), seq_len=4096, device="cpu"))
     assert not any("hybrid" in n or "DSA" in n for n in plain.notes)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(model="Llama-3.1-8B", seq_len=1 << 20, gpus=8, gpu="h100", strategy="usp", cp=8),
+    dict(model="Llama-3.1-8B", seq_len=400 * 1024, gpus=1, gpu="h100", lora=True),
+    dict(model="SmolLM2-135M", seq_len=55296, gpus=2, cp=2, gpu="cpu", memory_gib=4, precision="bf16"),
+    dict(model="SmolLM2-135M", seq_len=16384, gpus=2, cp=2, gpu="cpu", lora=True, micro_batch=2),
+])
+def test_the_recommendations_recipe_keys_are_valid_overrides(kw):
+    from pathlib import Path
+
+    from longdoc.train.config import load_recipe
+
+    best = plan(PlanRequest(**kw)).best
+    assert best is not None
+    recipe = load_recipe(Path(__file__).parents[2] / "recipes" / "cpu-demo.yaml", best.recipe_keys().split())
+    assert recipe.cp_size == best.setup.cp and recipe.train.tiled_mlp == best.setup.tiled_mlp
+    assert recipe.train.offload_checkpoints == best.setup.offload and recipe.lora.enabled == best.setup.lora
+
+
+def test_why_names_the_headroom_and_one_row_per_strategy():
+    p = plan(PlanRequest(model="Llama-3.1-8B", seq_len=1 << 20, gpus=8, gpu="h100"))
+    assert "leave 15% of the GPU free" in p.reason
+    assert p.reason.count("ulysses ") == 1 or p.reason.count("ulysses 5") == 1
+
+
+def test_mixed_precision_no_is_read_as_no_not_yaml_false():
+    from pathlib import Path
+
+    from longdoc.train.config import load_recipe
+
+    recipe = load_recipe(Path(__file__).parents[2] / "recipes" / "cpu-demo.yaml", ["train.mixed_precision=no"])
+    assert recipe.train.mixed_precision == "no"
