@@ -147,3 +147,34 @@ def test_state_passing_and_halos_match_one_process(world):
            if max(errs.values()) > 1e-9}
     assert not bad, bad
     assert len(per_rank[0]) == 2 * (3 * 5 + 6)
+
+
+def _saved_bytes(rank, world) -> int:
+    """Bytes this rank saves for backward in one state-passing run (each storage once, inputs and parameters
+    excluded): SSD with a large state (4 heads x 16 x 64) and 8 tokens per rank in two zigzag pieces."""
+    cp = longdoc.ContextParallel(layout="zigzag", timeout=60)
+    length = 8 * world
+    x, dt, A, B, C = ref.ssd_inputs(1, length, 4, 16, 1, 64, seed=0, decay="near1")
+    rec = SSD(ref.ssd_scan, A.requires_grad_(), 4)
+    seg = Segments.of(cp.layout, cp.size, length, None)
+    local = [layouts.shard_runs(v, 1, seg.runs[cp.rank]).requires_grad_() for v in (x, dt, B, C)]
+    skip = {t.untyped_storage().data_ptr() for t in (*local, A)}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run(rec, local, cp, seg)
+    out.y.sum().backward()  # the backward's collectives run on every rank
+    return sum(seen.values())
+
+
+def test_saved_summaries_do_not_grow_with_cp():
+    """Per rank, state passing keeps only its own pieces' summaries for backward (the backward gathers them
+    again): with the same tokens per rank, a rank saves the same bytes at cp=3 as at cp=2. Keeping every rank's
+    gathered summaries and the composed states (autograd through the all-gather) saved more at cp=3."""
+    two, three = max(run_ranks(2, _saved_bytes)), max(run_ranks(3, _saved_bytes))
+    assert two > 0 and three == two, (two, three)

@@ -27,12 +27,13 @@ collective (`exchange.all_gather`, differentiable: the gradient of an entering s
 produced it); every rank composes them with `advance` in global order, resetting to the zero state at every
 document start, and calls `finish` on its pieces that do not start a document. `final_at` (a document end,
 e.g. the prompt's end before the padding a prefill adds) also returns the state there, on every rank: what
-decoding continues from. Backward runs the collective's reverse (a reduce-scatter) on every rank, even one
-that needed no other rank's state (`exchange.anchor`).
+decoding continues from. Backward gathers the summaries again (only each rank's own are kept for it, so the
+memory does not grow with cp), recomputes the composition and runs the collective's reverse (a reduce-scatter)
+on every rank, even one that needed no other rank's state (`exchange.anchor`).
 
 Costs: one all-gather of (pieces per rank) x (summary size) per layer, independent of the sequence length;
-compose is (all pieces) x advance, on every rank. Gradients need no extra communication beyond the reverse of
-that all-gather.
+compose is (all pieces) x advance, on every rank. Backward repeats that all-gather and compose, then runs its
+reverse (a reduce-scatter).
 """
 
 from longdoc.parallel.recurrent.diagonal import SSD, Selective

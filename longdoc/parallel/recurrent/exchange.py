@@ -28,6 +28,34 @@ def _split(flat: torch.Tensor, like: list[torch.Tensor], lead: tuple[int, ...]) 
     return out
 
 
+def gather(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...], cp) -> list[torch.Tensor]:
+    """Every rank's `tensors`, each stacked over ranks: (world, *shape). Not differentiable (`all_gather` is); one
+    collective (the tensors travel as one flat buffer of their widest dtype, so every dtype comes back exact)."""
+    if cp.size == 1:
+        return [t.unsqueeze(0) for t in tensors]
+    flat = torch.stack(comm.all_gather(_flat(list(tensors), _widest(tensors)), cp.group, cp.timeout))
+    return _split(flat, list(tensors), (cp.size,))
+
+
+def scatter_grads(grads: list[torch.Tensor], like: list[torch.Tensor] | tuple[torch.Tensor, ...], cp
+                  ) -> list[torch.Tensor]:
+    """The reverse of `gather`: `grads` are gradients of gathered tensors, (world, *shape) each; returns this rank's
+    gradient of each of its own tensors `like`, the sum over ranks (a reduce-scatter)."""
+    if cp.size == 1:
+        return [g[0] for g in grads]
+    dtype = _widest(grads)
+    flat = torch.cat([g.reshape(cp.size, -1).to(dtype) for g in grads], dim=1)  # (world, total)
+    mine = comm.reduce_scatter(list(flat.contiguous().unbind(0)), cp.group, cp.timeout)
+    return _split(mine, list(like), ())
+
+
+def _widest(tensors) -> torch.dtype:
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, cp, flat):
@@ -45,10 +73,7 @@ def all_gather(tensors: list[torch.Tensor], cp) -> list[torch.Tensor]:
     (the tensors travel as one flat buffer of their widest dtype, so every dtype comes back exact)."""
     if cp.size == 1:
         return [t.unsqueeze(0) for t in tensors]
-    dtype = tensors[0].dtype
-    for t in tensors[1:]:
-        dtype = torch.promote_types(dtype, t.dtype)
-    gathered = _AllGather.apply(cp, _flat(tensors, dtype))  # (world, total)
+    gathered = _AllGather.apply(cp, _flat(tensors, _widest(tensors)))  # (world, total)
     return _split(gathered, tensors, (cp.size,))
 
 

@@ -4,10 +4,12 @@
 
 Every rank runs each of its pieces (longdoc.parallel.recurrent.segments) from a zero state, getting the piece's
 output y0 and its *summary* (tensors whose size does not depend on the piece's length, e.g. (T, U) of
-S_out = T * S_in + U). The summaries are all-gathered (exchange.all_gather: differentiable, so the gradient of
-an entering state flows back to the rank that produced it). Every rank then composes them in global order,
-document by document (the state is zero at each document start), which gives the true entering state of each
-of its pieces; `finish` corrects (or re-runs) the piece from that state. See the package docstring for the
+S_out = T * S_in + U). The summaries are all-gathered, and every rank composes them in global order, document
+by document (the state is zero at each document start), which gives the true entering state of each of its
+pieces; `finish` corrects (or re-runs) the piece from that state. Gather and compose are one autograd node
+(`_GatherCompose`) that saves only the rank's own summaries: its backward gathers them again, recomputes the
+composition and reduce-scatters the gradients, so the gradient of an entering state flows back to the rank that
+produced it and the memory a rank keeps for backward does not grow with cp. See the package docstring for the
 `Recurrence` contract.
 """
 
@@ -68,12 +70,11 @@ def _run_one(rec: Recurrence, inputs, cp, segments: Segments, dims: tuple[int, .
     local = [_local(rec, _piece(inputs, dims, p)) for p in mine]
     summaries = [s for _, s, _ in local]
     n_max = max(len(p) for p in everyone)
-    gathered = _gather(summaries, n_max, cp)  # [(world, n_max, *shape)] per summary tensor
-    entering, final = _compose(rec, everyone, gathered, cp.rank, final_at)
+    token, entering, final = _gather_compose(rec, everyone, _stack(summaries, n_max), cp, final_at)
     ys = [y0 if entering[i] is None and y0 is not None else _finish(rec, _piece(inputs, dims, p), y0, entering[i], c)
           for i, (p, (y0, _, c)) in enumerate(zip(mine, local))]
     y = torch.cat(ys, dim=out_dim) if len(ys) > 1 else ys[0]
-    return Result(exchange.anchor(y, gathered), final)
+    return Result(exchange.anchor(y, [token]), final)
 
 
 def _local(rec: Recurrence, piece: tuple[torch.Tensor, ...]) -> tuple:
@@ -87,13 +88,89 @@ def _finish(rec: Recurrence, piece, y0, state, carry):
     return rec.finish(piece, y0, state) if carry is None else rec.finish(piece, y0, state, carry)
 
 
-def _gather(summaries: list[tuple[torch.Tensor, ...]], n_max: int, cp) -> list[torch.Tensor]:
-    """All ranks' piece summaries: per summary tensor, (world, n_max, *shape); ranks with fewer pieces pad
-    with zeros (never read)."""
+def _stack(summaries: list[tuple[torch.Tensor, ...]], n_max: int) -> list[torch.Tensor]:
+    """This rank's piece summaries, per summary tensor (n_max, *shape); a rank with fewer pieces pads with zeros
+    (never read)."""
     stacked = [torch.stack(list(ts)) for ts in zip(*summaries)]  # per tensor (pieces, *shape)
-    padded = [torch.cat([t, t.new_zeros((n_max - t.shape[0], *t.shape[1:]))]) if t.shape[0] < n_max else t
-              for t in stacked]
-    return exchange.all_gather(padded, cp)
+    return [torch.cat([t, t.new_zeros((n_max - t.shape[0], *t.shape[1:]))]) if t.shape[0] < n_max else t
+            for t in stacked]
+
+
+def _gather_compose(rec: Recurrence, everyone, local: list[torch.Tensor], cp, final_at: int | None):
+    """(token, entering, final): `_compose` over every rank's summaries (all-gathered), differentiable with respect
+    to this rank's summaries `local`; `token` is a zero scalar to anchor the output to, so that every rank runs
+    the backward (and its collectives)."""
+    layout: list = []  # the forward fills it: how to rebuild the states from its flat outputs
+    out = _GatherCompose.apply((rec, everyone, cp, final_at, layout), *local)
+    entering, final = _unflatten(list(out[1:]), layout)
+    return out[0], entering, final
+
+
+class _GatherCompose(torch.autograd.Function):
+    """All-gather the summaries and compose them, saving only this rank's own summaries for backward.
+
+    Autograd through `exchange.all_gather` and `_compose` would keep every rank's summaries (world x pieces) and
+    every composed state until backward: per rank, memory that grows with cp (for a production Mamba2 layer
+    about 128 MiB at cp=8). Here the forward runs without a graph; the backward gathers the summaries again
+    (one all-gather), recomputes the composition with a graph, and sends each rank the gradient of its own
+    summaries (one reduce-scatter). The arithmetic is the same, so outputs and gradients are bitwise those of
+    the differentiable path.
+    """
+
+    @staticmethod
+    def forward(ctx, plan, *local):
+        rec, everyone, cp, final_at, layout = plan
+        ctx.plan = plan
+        ctx.save_for_backward(*local)
+        ctx.set_materialize_grads(False)
+        with torch.no_grad():
+            entering, final = _compose(rec, everyone, exchange.gather(local, cp), cp.rank, final_at)
+        flat, shape = _flatten(entering, final)
+        layout[:] = shape
+        # a state that is one piece's summary (entered at a document start) is a view of the gathered buffer:
+        # copied, so that what finish saves does not keep every rank's summaries alive
+        return (local[0].new_zeros(()), *(t.clone() if t._base is not None else t for t in flat))
+
+    @staticmethod
+    def backward(ctx, _token, *grads):
+        rec, everyone, cp, final_at, _ = ctx.plan
+        local = ctx.saved_tensors
+        with torch.no_grad():
+            gathered = [g.detach().requires_grad_() for g in exchange.gather(local, cp)]
+        d_gathered = [None] * len(gathered)
+        with torch.enable_grad():
+            flat, _ = _flatten(*_compose(rec, everyone, gathered, cp.rank, final_at))
+            pairs = [(o, g) for o, g in zip(flat, grads) if g is not None and o.requires_grad]
+            if pairs:
+                d_gathered = list(torch.autograd.grad([o for o, _ in pairs], gathered, [g for _, g in pairs],
+                                                      allow_unused=True))
+        d_gathered = [torch.zeros_like(g) if d is None else d for g, d in zip(gathered, d_gathered)]
+        return (None, *exchange.scatter_grads(d_gathered, local, cp))
+
+
+def _flatten(entering: list[State | None], final: State | None) -> tuple[list[torch.Tensor], list]:
+    """The states' tensors in one list, and the layout to rebuild them: per state, None or (its type, its count)."""
+    flat, layout = [], []
+    for state in (*entering, final):
+        if state is None:
+            layout.append(None)
+        else:
+            flat.extend(state)
+            layout.append((type(state), len(state)))
+    return flat, layout
+
+
+def _unflatten(flat: list[torch.Tensor], layout: list) -> tuple[list[State | None], State | None]:
+    states, at = [], 0
+    for item in layout:
+        if item is None:
+            states.append(None)
+            continue
+        kind, n = item
+        part = flat[at:at + n]
+        at += n
+        states.append(kind(*part) if hasattr(kind, "_fields") else kind(part))
+    return states[:-1], states[-1]
 
 
 def _compose(rec: Recurrence, everyone: tuple[tuple[Piece, ...], ...], gathered: list[torch.Tensor],
