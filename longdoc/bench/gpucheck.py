@@ -81,15 +81,6 @@ def longest_length(model: str, device: str, cap_gib: float | None) -> int:
                                        memory_gib=cap_gib, offload=False, tiled_mlp=False))
 
 
-def _offload():
-    """longdoc's checkpoint offload (issue 28), or None where this checkout has none."""
-    try:
-        from longdoc.hf.offload import offload_checkpoints
-    except ImportError:
-        return None
-    return offload_checkpoints
-
-
 def train_step(config: Any, seq_len: int, device: str, offload: bool) -> dict[str, Any]:
     """One full-fine-tuning step as `longdoc train` takes it at cp=1 (AdamW, fp32 weights, bf16 autocast,
     checkpointing, chunked loss): step seconds, loss and the peak of allocated memory (CUDA) in GiB."""
@@ -105,7 +96,9 @@ def train_step(config: Any, seq_len: int, device: str, offload: bool) -> dict[st
         if hasattr(model, "activation_checkpointing_enable") else \
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if offload:
-        _offload()(model)
+        from longdoc.hf.offload import offload_checkpoints
+
+        offload_checkpoints(model)
     cp = longdoc.ContextParallel()
     longdoc.patch(model, cp)
     model.train()
@@ -157,11 +150,7 @@ def run_step(cuda: bool, dry_run: bool) -> dict[str, Any]:
     if planned is not None:
         out["predicted_peak_gib"] = planned.to_dict()["peak_gib"]
         out["predicted_step_s"] = planned.to_dict()["step_s"]
-    offload_built = _offload() is not None
     for offload in (False, True):
-        if offload and not offload_built:
-            out["runs"].append({"offload": True, **_skipped("this checkout has no checkpoint offload")})
-            continue
         try:
             run = train_step(config, seq_len, device, offload)
         except torch.cuda.OutOfMemoryError as err:  # a measurement too: the planner was wrong
