@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	touch $(STAMP)
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 # The suite against the newest releases of every dependency (torch stays TORCH_SPEC), in its own venv; the lock
 # check is skipped there. If it passes, `make lock` writes those versions to constraints.txt for everyone.
