@@ -176,12 +176,37 @@ def performance() -> str:
             parts += [f"### Tiled MLP step-time cost: docs/bench/{path.name}", "", tiled_mlp.to_markdown(data)]
         elif data.get("kind") == "gpu-check":
             parts += [f"### GPU check: docs/bench/{path.name}", "", gpu_check_markdown(data)]
+        elif data.get("kind") == "longest-matrix":
+            parts += [f"### Longest sequence per memory feature: docs/bench/{path.name}", "",
+                      "Rendered with its plot under \"Longest trainable sequence per memory feature\" above."]
         else:
             parts += [f"### docs/bench/{path.name}", "", "(no renderer for this file's format)"]
         parts.append("")
     pngs = sorted((ROOT / "docs" / "bench").glob("*.png"))
     if pngs:
         parts += ["### Plots", ""] + [f"![{p.stem}](bench/{p.name})" for p in pngs]
+    return "\n".join(parts)
+
+
+def longest_matrix() -> str:
+    """The newest published `longdoc bench longest` matrix (docs/bench/longest-matrix-*.json beside its .png, or the
+    longest section of a published suite run), or a line saying none is published yet."""
+    from longdoc.bench import longest
+
+    found = []
+    for path, data in _bench_files():
+        section = (data.get("sections") or {}).get("longest") or {}
+        if data.get("kind") == "longest-matrix":
+            found.append((data["started"], path, data, path.with_suffix(".png")))
+        elif section.get("kind") == "longest-matrix":
+            found.append((section["started"], path, section, path.parent / "longest_matrix.png"))
+    if not found:
+        return ("Not measured yet: no `longdoc bench longest` result is published in docs/bench (the matrix is "
+                "published as `longest-matrix-DATE.json` with its `.png`).")
+    _, path, data, png = max(found, key=lambda f: f[0])
+    parts = [f"From docs/bench/{path.name}:", "", longest.to_markdown(data)]
+    if png.is_file():
+        parts += ["", f"![longest sequence per memory feature](bench/{png.name})"]
     return "\n".join(parts)
 
 
@@ -398,7 +423,8 @@ def changelog() -> str:
 
 BLOCKS: dict[str, Callable[[], str]] = {"models": models, "performance": performance, "headline": headline,
                                         "changelog": changelog, "outcomes": outcomes, "models-summary": models_summary,
-                                        "recipe-plans": recipe_plans, "long-plans": long_plans}
+                                        "recipe-plans": recipe_plans, "long-plans": long_plans,
+                                        "longest-matrix": longest_matrix}
 
 
 def render_markers(markdown: str) -> str:

@@ -9,9 +9,11 @@ largest lifetime peak RSS of any rank (`runs.run_steps`). Nothing measured flows
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
-from longdoc.bench.runs import MODELS, TINY, RunResult, TrainRun, run_steps
+from longdoc.bench.runs import MODELS, RunResult, TrainRun, run_steps
 from longdoc.plan.hardware import GIB
 from longdoc.plan.memory import MemoryEstimate, Setup, estimate
 from longdoc.plan.shapes import ModelShape, model_shape, shape_from_config
@@ -37,19 +39,28 @@ QUICK_RUNS = (TrainRun(model="tiny", cp=1, seq_len=2048), TrainRun(model="tiny",
 
 
 def run_shape(run: TrainRun) -> ModelShape:
-    if run.model == "tiny":
-        from longdoc import models
+    """The shape of the model `run` trains, at its depth: SmolLM2-135M's published config (at reduced depth the
+    same layers fewer times), the random-init models' own configs (the hybrid's layer mix depends on the depth)."""
+    return _shape(run.model, run.layers)
 
-        config = models.tiny_config("llama", **{**models.DEFAULT_TOKEN_IDS, **TINY})
-        return shape_from_config(config, name="tiny:llama " + ",".join(f"{k}={v}" for k, v in TINY.items()))
-    return model_shape(MODELS[run.model])
+
+@functools.lru_cache(maxsize=64)
+def _shape(model: str, layers: int | None) -> ModelShape:
+    if model == "135m":
+        shape = model_shape(MODELS[model])
+        return shape if layers is None else shape.with_layers(layers)
+    from longdoc import models
+
+    overrides = TrainRun(model=model, layers=layers).overrides() or {}
+    config = models.tiny_config(models.arch_of(MODELS[model]), **{**models.DEFAULT_TOKEN_IDS, **overrides})
+    return shape_from_config(config, name=f"{MODELS[model]} ({config.num_hidden_layers} layers, bench shape)")
 
 
 def setup_for(run: TrainRun) -> Setup:
     # The runs are launched ranks, so Accelerate wraps even cp=1 in DDP (gradient buckets P_t*4) unless FSDP shards.
     shape = run_shape(run)
-    if run.layers is not None:
-        shape = shape.with_layers(run.layers)
+    if shape.max_positions and run.seq_len > shape.max_positions:  # the run extends the context (TrainRun.recipe)
+        shape = dataclasses.replace(shape, max_positions=run.seq_len)
     return Setup(shape=shape, seq_len=run.seq_len, cp=run.cp, dp=1, checkpointing=run.checkpointing,
                  loss_chunk=run.loss_chunk, lora=run.lora, device="cpu", precision=run.precision, ddp=True,
                  fsdp=run.fsdp, tiled_mlp=run.tiled_mlp, offload=run.offload)

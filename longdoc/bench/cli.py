@@ -6,6 +6,9 @@
     longdoc bench memory longest --quick            # some sections at smoke-test sizes
     longdoc bench dsa --seq-len 16384               # DSA: one process vs CP, vs dense causal (--ranks CP size)
     longdoc bench kinds --seq-len 8192              # per-rank activation bytes and RSS, cp=2 vs 1, per layer kind
+    longdoc bench longest --cap-gib 4               # longest trainable sequence under 4 GiB per process: 135M full FT,
+                                                    # LoRA and a hybrid x cp 1/2/4 x memory features (--resume goes on
+                                                    # from a killed run's runs/bench/longest.jsonl)
     longdoc bench --publish docs/bench              # the full suite, then bench.json + plots into docs/bench, from
                                                     # which the docs' performance page and README numbers are made
 
@@ -20,7 +23,8 @@ import json
 import os
 
 from longdoc import cliargs
-from longdoc.bench.sections import SECTIONS
+from longdoc.bench.sections import LONGEST_DEFAULT_FEATURES, LONGEST_FEATURES, LONGEST_MODELS, SECTIONS
+from longdoc.plan.hardware import PRECISIONS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -42,9 +46,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ulysses-size", type=int, default=None,
                    help="attention: the usp row's Ulysses group size (default: ranks / 2 from 4 ranks on; no usp "
                         "row at 2 ranks)")
-    p.add_argument("--cap-gib", type=float, default=None, help="per-process memory cap of the 'longest' section")
+    g = p.add_argument_group("the longest section", "the longest trainable sequence under a per-process memory cap "
+                             "(longdoc.bench.longest): real training steps at reduced depth, measured peak RSS beside "
+                             "the planner's, and the planner's longest at full depth")
+    g.add_argument("--cap-gib", type=float, default=None, help="per-process memory cap (default 4)")
+    g.add_argument("--cp", type=_sizes, default=None, help="CP sizes, comma-separated (default 1,2,4; --quick 2)")
+    g.add_argument("--models", default=None, help=f"comma-separated, among {', '.join(LONGEST_MODELS)} (default: all)")
+    g.add_argument("--features", default=None,
+                   help=f"comma-separated, among {', '.join(LONGEST_FEATURES)} (default "
+                        f"{','.join(LONGEST_DEFAULT_FEATURES)}; --quick all): offload moves nothing on a CPU")
+    g.add_argument("--layers", type=int, default=None,
+                   help="decoder layers of the measured runs (default 1; the hybrid at least 2)")
+    g.add_argument("--probe", type=cliargs.length, default=None,
+                   help="tokens per rank of a measured run (default 8k; --quick 512), halved while the planner puts "
+                        "it above 80%% of the cap")
+    g.add_argument("--precision", choices=PRECISIONS, default=None,
+                   help="training precision (default: what training picks on this CPU, bf16 autocast where it has "
+                        "native bf16)")
+    g.add_argument("--resume", action="store_true",
+                   help="measure only the cells missing from <--out>/longest.jsonl (a killed run's finished cells)")
     p.add_argument("--index-topk", type=int, default=None, help="dsa: keys per query (default 2048; --quick 256)")
-    p.add_argument("--out", default="runs/bench", help="folder for bench.json, bench.md and the plots")
+    p.add_argument("--out", default="runs/bench",
+                   help="folder for bench.json, bench.md and the plots (and longest.json, longest.md and the cells' "
+                        "journal longest.jsonl)")
     p.add_argument("--publish", default=None, metavar="DIR",
                    help="after a full run (every section, not --quick), copy bench.json and the plots into DIR "
                         "(docs/bench in a checkout: `make docs` renders the performance page from it and "
@@ -73,7 +97,10 @@ def _main(args: argparse.Namespace) -> int:
                               repeats=1 if args.quick else args.repeats)
     lengths = ([args.seq_len] if args.seq_len else [int(x) for x in args.lengths.split(",")] if args.lengths
                else list(cfg.attention_lengths))
-    train = cfg.train if args.cap_gib is None else dataclasses.replace(cfg.train, cap_gib=args.cap_gib)
+    given = {"cap_gib": args.cap_gib, "layers": args.layers, "probe": args.probe, "precision": args.precision,
+             "cps": args.cp, "models": args.models and _names(args.models),
+             "features": args.features and _names(args.features)}
+    long_cfg = dataclasses.replace(cfg.longest, **{k: v for k, v in given.items() if v is not None})
     hybrid = dataclasses.replace(cfg.hybrid, seq_len=args.seq_len or cfg.hybrid.seq_len, ranks=args.ranks,
                                  repeats=1 if args.quick else args.repeats)
     dsa_cfg = dataclasses.replace(cfg.dsa, ranks=args.ranks, repeats=1 if args.quick else args.repeats,
@@ -81,7 +108,7 @@ def _main(args: argparse.Namespace) -> int:
                                   **({"index_topk": args.index_topk} if args.index_topk else {}))
     kinds = dataclasses.replace(cfg.kinds, ranks=args.ranks, **({"seq_len": args.seq_len} if args.seq_len else {}))
     cfg = dataclasses.replace(cfg, sections=sections, out=args.out, attention=att, attention_lengths=tuple(lengths),
-                              train=train, hybrid=hybrid, dsa=dsa_cfg, kinds=kinds)
+                              hybrid=hybrid, dsa=dsa_cfg, kinds=kinds, longest=long_cfg, resume=args.resume)
     result = suite.run(cfg)
     md = suite.to_markdown(result)
     print("\n" + md)
@@ -91,6 +118,17 @@ def _main(args: argparse.Namespace) -> int:
         print(f"published {len(files)} file(s) into {args.publish}: `make docs` renders them; "
               f"`python docs/hooks/docgen.py readme` refreshes the README's headline numbers")
     return 0
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated CP sizes such as 1,2,4, got {text!r}") from None
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
 def _single_attention(args: argparse.Namespace) -> int:

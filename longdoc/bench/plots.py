@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from longdoc.bench.longest import FEATURES, MODELS
+
 
 def _plt():
     import matplotlib
@@ -76,18 +78,36 @@ def memory(result: dict, out: Path) -> Path:
     return _save(fig, out / "memory_vs_cp.png")
 
 
-def longest(result: dict, out: Path) -> Path:
+def longest_matrix(result: dict, out: Path) -> Path:
+    """`longdoc bench longest`: per model, the planner's longest at full depth per cp and features (bars), each
+    labelled with its reduced-depth probe's planner error (measured; hatched beyond the tolerance)."""
     plt = _plt()
-    rows = result["rows"]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    x = range(len(rows))
-    ax.bar([i - 0.2 for i in x], [r["measured_longest"] for r in rows], width=0.4, label="measured")
-    ax.bar([i + 0.2 for i in x], [r["predicted_longest"] for r in rows], width=0.4, label="planner")
-    ax.set_xticks(list(x), [f"cp={r['cp']}" for r in rows])
-    ax.set(ylabel="tokens", title=f"longest sequence under {result['cap_gib']} GiB per process")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3, axis="y")
-    return _save(fig, out / "longest_under_cap.png")
+    cfg, cells = result["config"], [r for r in result["cells"] if "planner" in r]
+    features = [f for f in cfg["features"] if any(r["feature"] == f for r in cells)] or cfg["features"]
+    fig, axes = plt.subplots(1, len(cfg["models"]), figsize=(4.5 * len(cfg["models"]), 4.2), squeeze=False)
+    width = 0.8 / len(features)
+    for ax, model in zip(axes[0], cfg["models"]):
+        for j, feature in enumerate(features):
+            for i, cp in enumerate(cfg["cps"]):
+                r = next((r for r in cells if (r["model"], r["cp"], r["feature"]) == (model, cp, feature)), None)
+                if r is None:
+                    continue
+                ok = r["status"] == "measured" and r["planner"]["within_tolerance"]
+                x, y = i + (j - (len(features) - 1) / 2) * width, r["planner"]["longest_full_depth"] / 1024
+                ax.bar(x, y, width=width, color=f"C{j}", hatch="" if ok else "//", edgecolor=None if ok else "black",
+                       label=FEATURES[feature][0] if i == 0 else None)
+                tag = f"{r['planner']['error']:+.0%}" if r["status"] == "measured" else r["status"]
+                ax.annotate(tag, (x, y), ha="center", va="bottom", fontsize=6, rotation=90, xytext=(0, 2),
+                            textcoords="offset points")
+        ax.margins(y=0.15)
+        ax.set_xticks(range(len(cfg["cps"])), [f"cp={cp}" for cp in cfg["cps"]])
+        ax.set(ylabel="k tokens (planner, full depth)", title=MODELS[model][0].split(" (")[0])
+        ax.grid(alpha=0.3, axis="y")
+    axes[0][0].legend(fontsize=7, loc="upper left")
+    fig.suptitle(f"longest sequence under {cfg['cap_gib']:g} GiB per process (planner, full depth); labels: the "
+                 f"planner's error on a measured reduced-depth run (hatched beyond {result['tolerance']:.0%})",
+                 fontsize=8)
+    return _save(fig, out / "longest_matrix.png")
 
 
 def calibration(rows: list[dict], out: Path, tolerance: float) -> Path:

@@ -27,16 +27,31 @@ from longdoc.spawn import run_local
 # vocabulary so the loss chunks weigh what they weigh for the 135M model.
 TINY = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32)
-MODELS = {"tiny": "tiny:llama", "135m": "SmolLM2-135M-Instruct"}
+MODELS = {"tiny": "tiny:llama", "135m": "SmolLM2-135M-Instruct", "hybrid": "tiny:granitemoehybrid"}
 # SmolLM2-135M-Instruct's shape (its config.json): a run at reduced depth (TrainRun.layers) builds this shape with
 # random weights as a tiny:llama, so every per-layer and per-token byte is the 135M model's
 SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
                     head_dim=64, tie_word_embeddings=True, rms_norm_eps=1e-5)
+# The benchmarks' hybrid: SmolLM2-135M's width, attention heads and MLP with Granite 4.0-H's layer mix (Mamba2 (SSD)
+# in 9 layers of 10, attention in the others: hybrid_layer_types) and no experts (a dense gated MLP in every layer,
+# so the planner reads its true width), random weights. Its SSD runs transformers' torch path, whose per-chunk
+# intermediates grow with the chunk and the heads: 18 heads of 64 (expand 2) in chunks of 64 tokens keep them small.
+HYBRID = dict(hidden_size=576, intermediate_size=1536, shared_intermediate_size=1536, num_local_experts=0,
+              num_experts_per_tok=None, num_attention_heads=9, num_key_value_heads=3, head_dim=64, mamba_n_heads=18,
+              mamba_d_head=64, mamba_n_groups=1, mamba_d_state=64, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=64,
+              tie_word_embeddings=True, max_position_embeddings=1 << 20)
+HYBRID_LAYERS = 30  # full depth (as the 135M model's)
+
+
+def hybrid_layer_types(layers: int) -> list[str]:
+    """Granite 4.0-H's mix at `layers` deep: attention in layer 5 of every 10 (under 10 layers, in layer 5 mod
+    `layers`: 2 layers are Mamba2 then attention), Mamba2 in the others."""
+    return ["attention" if i % 10 == 5 % layers else "mamba" for i in range(layers)]
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainRun:
-    model: str = "tiny"  # "tiny" (TINY above) or "135m" (SmolLM2-135M-Instruct)
+    model: str = "tiny"  # "tiny" (TINY above), "135m" (SmolLM2-135M-Instruct) or "hybrid" (HYBRID above)
     cp: int = 1
     seq_len: int = 4096
     steps: int = 3  # steady state from the third: optimizer states exist, DDP has rebuilt its buckets
@@ -59,6 +74,9 @@ class TrainRun:
             raise ValueError(f"model must be one of {', '.join(MODELS)}, got {self.model!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.model == "hybrid" and self.layers is not None and self.layers < 2:
+            raise ValueError(f"the hybrid model needs at least 2 layers (a Mamba2 and an attention layer), got "
+                             f"layers={self.layers}")
 
     @property
     def rank_threads(self) -> int:
@@ -71,15 +89,27 @@ class TrainRun:
         extra += (" FSDP" if self.fsdp else "") + (" tiledMLP" if self.tiled_mlp else "")
         extra += (" offload" if self.offload else "") + ("" if self.layers is None else f" L{self.layers}")
         extra += "" if self.precision == cpu_precision() else f" {self.precision}"  # named when not the default
-        return f"{self.model} cp{self.cp} {self.seq_len // 1024}k{extra}"
+        tokens = f"{self.seq_len // 1024}k" if self.seq_len % 1024 == 0 else f"{self.seq_len}"
+        return f"{self.model} cp{self.cp} {tokens}{extra}"
+
+    def overrides(self) -> dict | None:
+        """The config overrides of the random-init model this run builds ("tiny:<arch>"), None for SmolLM2-135M's
+        own weights (the 135M model at full depth)."""
+        if self.model == "tiny":
+            return dict(TINY) | ({} if self.layers is None else {"num_hidden_layers": self.layers})
+        if self.model == "hybrid":
+            layers = self.layers or HYBRID_LAYERS
+            return HYBRID | {"num_hidden_layers": layers, "layer_types": hybrid_layer_types(layers)}
+        if self.layers is not None:
+            return SMOLLM2_135M | {"num_hidden_layers": self.layers, "max_position_embeddings": max(8192, self.seq_len)}
+        return None
 
     def recipe(self, output_dir: str) -> dict:
-        model: dict = {"name": MODELS[self.model]}
-        if self.model == "tiny":
-            model["overrides"] = dict(TINY) | ({} if self.layers is None else {"num_hidden_layers": self.layers})
-        elif self.layers is not None:
-            model = {"name": MODELS["tiny"], "overrides": SMOLLM2_135M | {
-                "num_hidden_layers": self.layers, "max_position_embeddings": max(8192, self.seq_len)}}
+        overrides = self.overrides()
+        # the 135M model at reduced depth is its shape built as a tiny:llama
+        model: dict = {"name": MODELS["tiny" if self.model == "135m" and overrides else self.model]}
+        if overrides is not None:
+            model["overrides"] = overrides
         elif self.seq_len > 8192:  # SmolLM2's native context is 8k
             model.update(rope_type="yarn", rope_factor=float(2 ** max(0, (self.seq_len - 1).bit_length() - 13)))
         return {

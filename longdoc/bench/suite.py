@@ -4,15 +4,16 @@
     longdoc bench attention memory        # some sections
     longdoc bench --publish docs/bench    # also publish bench.json and the plots there (the docs render them)
 
-Sections: attention (CP efficiency E, zigzag gain Z, ring vs all-gather, across lengths), hybrid (a
-Granite-4.0-H-shaped Mamba2 + attention model at 16k: E, peak memory, state-exchange vs ring bytes), train (tokens/s,
-cp=1 vs cp=2 at equal cores, tiny and 135M), memory (peak per rank vs cp), longest (longest sequence under
-a per-process cap), calibration (planner vs measured peaks of every CPU run made), dsa (sparse indexed
-attention: a tiny DeepSeek-V3.2 at 16k tokens, one process vs CP, DSA vs dense causal), kinds (per-rank tracked
-activation bytes and RSS growth at cp=2 vs one process at 8k, for attention, Mamba2, Gated DeltaNet, DSA and MoE
-tiny models: longdoc.bench.kinds_memory), gpu (CUDA only: block kernels vs one flash call). The report records
-the machine and its load average: timings taken on a loaded machine are flagged as such (memory peaks are not
-affected by load).
+Sections: attention (CP efficiency E, zigzag gain Z, ring vs all-gather, across lengths), hybrid (a Granite-4.0-H-shaped
+Mamba2 + attention model at 16k: E, peak memory, state-exchange vs ring bytes), train (tokens/s, cp=1 vs cp=2 at equal
+cores, tiny and 135M), memory (peak per rank vs cp), longest (the longest trainable sequence under a per-process cap for
+135M full fine-tuning, LoRA and a hybrid, cp 1/2/4, each memory feature on and off: measured at reduced depth, carried
+to full depth by the planner; longdoc.bench.longest), calibration (planner vs measured peaks of every CPU run made), dsa
+(sparse indexed attention: a tiny DeepSeek-V3.2 at 16k tokens, one process vs CP, DSA vs dense causal), kinds (per-rank
+tracked activation bytes and RSS growth at cp=2 vs one process at 8k, for attention, Mamba2, Gated DeltaNet, DSA and MoE
+tiny models: longdoc.bench.kinds_memory), gpu (CUDA only: block kernels vs one flash call). The report records the
+machine and its load average: timings taken on a loaded machine are flagged as such (memory peaks are not affected by
+load).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from longdoc.bench import agreement, attention, calibrate, dsa, kinds_memory, patterns, plots, train_sections
+from longdoc.bench import agreement, attention, calibrate, dsa, kinds_memory, longest, patterns, plots, train_sections
 from longdoc.bench import hybrid as hybrid_bench
 from longdoc.bench.attention import AttentionBenchConfig
 from longdoc.bench.gpu import KernelBenchConfig
@@ -55,6 +56,8 @@ class SuiteConfig:
     hybrid: hybrid_bench.HybridBenchConfig = field(default_factory=hybrid_bench.HybridBenchConfig)
     dsa: dsa.DsaBenchConfig = field(default_factory=dsa.DsaBenchConfig)
     kinds: kinds_memory.KindsMemoryConfig = field(default_factory=kinds_memory.KindsMemoryConfig)
+    longest: longest.LongestConfig = field(default_factory=longest.LongestConfig)
+    resume: bool = False  # longest: measure only the cells missing from <out>/longest.jsonl
 
 
 def quick() -> SuiteConfig:
@@ -67,7 +70,7 @@ def quick() -> SuiteConfig:
                        gpu=KernelBenchConfig(lengths=(4096, 16384), ranks=(2, 4), repeats=2),
                        hybrid=hybrid_bench.HybridBenchConfig(seq_len=1024, repeats=1, layers=4, hidden=64,
                                                              mamba_heads=8, state=16, chunk=32), dsa=dsa.QUICK,
-                       kinds=kinds_memory.QUICK)
+                       kinds=kinds_memory.QUICK, longest=longest.QUICK)
 
 
 def machine() -> dict:
@@ -154,8 +157,10 @@ def run(cfg: SuiteConfig, log=print) -> dict:
             res = train_sections.memory_vs_cp(cfg.train, measure)
             result["plots"].append(str(plots.memory(res, out)))
         elif name == "longest":
-            res = train_sections.longest_under_cap(cfg.train, measure, log)
-            result["plots"].append(str(plots.longest(res, out)))
+            res = longest.run(cfg.longest, out, log, resume=cfg.resume) | {"machine": result["machine"]}
+            result["plots"].append(str(plots.longest_matrix(res, out)))
+            atomic_write_text(out / "longest.json", json.dumps(res, indent=1) + "\n")
+            atomic_write_text(out / "longest.md", longest.to_markdown(res) + "\n")
         elif name == "calibration":
             for r in cfg.calibration_runs:
                 measure(r)
@@ -230,8 +235,7 @@ def to_markdown(result: dict) -> str:
     if "memory" in s:
         lines += ["", "#### Peak memory per rank vs cp", "", train_sections.memory_markdown(s["memory"])]
     if "longest" in s:
-        lines += ["", "#### Longest sequence under a per-process memory cap", "",
-                  train_sections.longest_markdown(s["longest"])]
+        lines += ["", "#### Longest sequence under a per-process memory cap", "", longest.to_markdown(s["longest"])]
     if "calibration" in s:
         rows = [r for r in s["calibration"] if r.get("calibrated", True)]
         raw = [r for r in s["calibration"] if not r.get("calibrated", True)]

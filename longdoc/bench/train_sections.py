@@ -1,13 +1,12 @@
-"""Training benchmarks on CPU ranks: throughput cp=1 vs cp=2, peak memory vs cp, the longest sequence under a cap.
+"""Training benchmarks on CPU ranks: throughput cp=1 vs cp=2, and peak memory vs cp.
 
-All three run the real trainer (`runs.run_steps`) in fresh processes and put the planner's prediction next
+Both run the real trainer (`runs.run_steps`) in fresh processes and put the planner's prediction next
 to each measurement, so every run is also a calibration point.
   throughput  tokens/s of steady-state steps, cp=1 (1 process x T threads) vs cp=2 (2 ranks x T/2 threads)
               at equal total cores, for the tiny and the 135M model;
   memory      per-rank peak RSS at one total length for cp = 1, 2, 4: the activation part falls like 1/cp,
-              the model state and the runtime stay;
-  longest     the longest sequence (a multiple of `step`) whose 3-step run stays under a per-process cap, for
-              cp=1 and cp=2: the search starts where the planner says and probes real runs up or down.
+              the model state and the runtime stay.
+The longest sequence under a per-process cap, per model, cp and memory feature, is `longdoc.bench.longest`.
 """
 
 from __future__ import annotations
@@ -29,17 +28,11 @@ class TrainBenchConfig:
         for m, n in (("tiny", 16384), ("135m", 4096)) for cp in (1, 2))
     memory_run: TrainRun = TrainRun(model="tiny", seq_len=16384, checkpointing=False)
     memory_cps: tuple[int, ...] = (1, 2, 4)
-    cap_run: TrainRun = TrainRun(model="tiny", seq_len=4096, checkpointing=False)
-    cap_gib: float = 2.0
-    cap_cps: tuple[int, ...] = (1, 2)
-    cap_step: int = 4096
-    cap_max_probes: int = 4
 
 
 QUICK = TrainBenchConfig(
     throughput=tuple(TrainRun(model="tiny", cp=cp, seq_len=4096, steps=2) for cp in (1, 2)),
     memory_run=TrainRun(model="tiny", seq_len=4096, checkpointing=False), memory_cps=(1, 2),
-    cap_run=TrainRun(model="tiny", seq_len=2048, checkpointing=False), cap_gib=1.5, cap_step=2048, cap_max_probes=2,
 )
 
 
@@ -91,47 +84,6 @@ def memory_vs_cp(cfg: TrainBenchConfig, measure_fn: Measure = measure) -> dict:
     return {"run": cfg.memory_run.label(), "rows": rows}
 
 
-def _predicted_longest(run: TrainRun, cap_gib: float, step: int) -> int:
-    lo, hi = 0, step
-    while predict(dataclasses.replace(run, seq_len=hi)).total_gib <= cap_gib and hi < 1 << 22:
-        lo, hi = hi, hi * 2
-    while hi - lo > step:
-        mid = (lo + hi) // 2 // step * step
-        if mid <= lo:
-            break
-        lo, hi = (mid, hi) if predict(dataclasses.replace(run, seq_len=mid)).total_gib <= cap_gib else (lo, mid)
-    return lo
-
-
-def longest_under_cap(cfg: TrainBenchConfig, measure_fn: Measure = measure, log=print) -> dict:
-    """For each cp: the planner's longest length under the cap, then real runs from there up or down."""
-    rows = []
-    for cp in cfg.cap_cps:
-        base = dataclasses.replace(cfg.cap_run, cp=cp, threads=1)
-        predicted = _predicted_longest(base, cfg.cap_gib, cfg.cap_step)
-        probes: list[Measured] = []
-        n = max(cfg.cap_step, predicted)
-        fits_at, over_at = 0, None
-        for _ in range(cfg.cap_max_probes):
-            m = measure_fn(dataclasses.replace(base, seq_len=n))
-            probes.append(m)
-            if m.peak_gib <= cfg.cap_gib:
-                fits_at = max(fits_at, n)
-                if over_at is not None and n + cfg.cap_step >= over_at:
-                    break
-                n += cfg.cap_step
-            else:
-                over_at = n if over_at is None else min(over_at, n)
-                if n - cfg.cap_step <= fits_at or n <= cfg.cap_step:
-                    break
-                n -= cfg.cap_step
-        rows.append({"cp": cp, "predicted_longest": predicted, "measured_longest": fits_at,
-                     "first_over": over_at, "probes": [p.to_dict() for p in probes]})
-        log(f"  longest under {cfg.cap_gib} GiB with cp={cp}: measured {fits_at:,} tokens "
-            f"(planner {predicted:,}; {len(probes)} probe runs)")
-    return {"cap_gib": cfg.cap_gib, "run": cfg.cap_run.label(), "step": cfg.cap_step, "rows": rows}
-
-
 def throughput_markdown(rows: list[Measured]) -> str:
     lines = ["| model | tokens | cp x threads | tokens/s | step s (steady) | peak GiB/rank | planner GiB |",
              "|---|---:|---|---:|---:|---:|---:|"]
@@ -150,14 +102,4 @@ def memory_markdown(result: dict) -> str:
     for r in result["rows"]:
         lines.append(f"| {r['cp']} | {r['peak_gib']:.3f} | {r['predicted_gib']:.3f} | {r['predicted_fixed_gib']:.3f} | "
                      f"{r['predicted_scaling_gib']:.3f} |")
-    return "\n".join(lines)
-
-
-def longest_markdown(result: dict) -> str:
-    lines = [f"Per-process cap {result['cap_gib']} GiB, {result['run'].split(' cp')[0]} model, steps of "
-             f"{result['step']:,} tokens", "", "| cp | longest measured | planner's longest | probes (tokens: GiB) |",
-             "|---:|---:|---:|---|"]
-    for r in result["rows"]:
-        probes = ", ".join(f"{p['seq_len'] // 1024}k: {p['peak_gib']:.2f}" for p in r["probes"])
-        lines.append(f"| {r['cp']} | {r['measured_longest']:,} | {r['predicted_longest']:,} | {probes} |")
     return "\n".join(lines)

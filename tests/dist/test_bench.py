@@ -89,3 +89,21 @@ def test_dsa_bench_runs_at_small_sizes():
     assert set(result["median_s"]) == {"single/dsa", "single/dense", "cp/dsa", "cp/dense"}
     assert all(v > 0 for v in [*result["median_s"].values(), *result["peak_gib"].values()])
     assert "DSA speedup" in dsa.to_markdown(result)
+
+
+def test_bench_longest_quick_journals_a_real_run_and_resumes_it(tmp_path):
+    """One cell of `longdoc bench longest` (SmolLM2-135M's layer, FSDP + tiled MLP, cp=2, 1,024 tokens): the real
+    trainer's peak beside the planner's, the journal, the plot; --resume then measures nothing."""
+    from longdoc.cli import main
+
+    out = tmp_path / "bench"
+    args = ["bench", "longest", "--quick", "--models", "135m", "--out", str(out)]
+    assert main(args) == 0
+    (cell,) = json.loads((out / "longest.json").read_text())["cells"]
+    assert cell["status"] == "measured" and cell["run"]["fsdp"] and cell["run"]["tiled_mlp"]
+    assert 0.3 < cell["measured"]["peak_gib"] < 4 and cell["planner"]["longest_full_depth"] > 0
+    assert (out / "longest_matrix.png").is_file() and "planner: longest at 30 layers" in (out / "bench.md").read_text()
+    journal = (out / "longest.jsonl").read_text()
+    assert main([*args, "--resume"]) == 0
+    (again,) = json.loads((out / "longest.json").read_text())["cells"]
+    assert again["measured"] == cell["measured"] and (out / "longest.jsonl").read_text() == journal

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from longdoc.bench import calibrate, gpu, plots, suite, train_sections
+from longdoc.bench import calibrate, gpu, plots, suite
 from longdoc.bench.runs import TrainRun
 from longdoc.train.metrics import return_freed_memory
 
@@ -72,8 +72,7 @@ def test_cpu_of_other_processes_excludes_our_own():
 def test_plots_are_written(tmp_path):
     r = _fake_result()["sections"]
     paths = [plots.attention(r["attention"], tmp_path), plots.throughput(r["train"], tmp_path),
-             plots.memory(r["memory"], tmp_path), plots.longest(r["longest"], tmp_path),
-             plots.calibration(r["calibration"], tmp_path, 0.15)]
+             plots.memory(r["memory"], tmp_path), plots.calibration(r["calibration"], tmp_path, 0.15)]
     for p in paths:
         assert p.is_file() and p.read_bytes()[:4] == b"\x89PNG"
 
@@ -158,16 +157,6 @@ def test_calibration_predictions_cover_the_acceptance_set():
         assert 0.5 < est.total_gib < 8.0, (r.label(), est.total_gib)
         assert est.setup.device == "cpu" and est.setup.uses_ddp and not est.setup.uses_fsdp  # launched: DDP
     assert {calibrate.predict(r).peak_phase for r in runs} == {"loss", "backward"}
-
-
-def test_planner_longest_is_consistent_with_predictions():
-    run = TrainRun(model="tiny", seq_len=4096, checkpointing=False, cp=1)
-    n = train_sections._predicted_longest(run, 2.0, 2048)
-    assert n > 0 and n % 2048 == 0
-    assert calibrate.predict(dataclasses.replace(run, seq_len=n)).total_gib <= 2.0
-    assert calibrate.predict(dataclasses.replace(run, seq_len=n + 2048)).total_gib > 2.0
-    two = train_sections._predicted_longest(dataclasses.replace(run, cp=2), 2.0, 2048)
-    assert two > n  # halving the tokens per rank buys length
 
 
 def test_train_run_recipe_and_labels():
