@@ -2,7 +2,8 @@
 on a gated Llama, a plain-GeLU GPT-2 and a Mixtral MoE, the loss share and every local gradient of each rank are
 bitwise those of the plain checkpointed model with offload on; with tiled MLPs (several tiles per rank) the loss
 share is within fp32 1e-6 relative, and so is every gradient summed over the CP group (what the step applies).
-One spawn per world size."""
+One spawn per world size. Through `longdoc train`: offload and tiles at cp=2 (ring, DDP) below; both with FSDP at
+cp=4 under ulysses, every reduced gradient against DDP, in test_train_fsdp_cpu.py."""
 
 from __future__ import annotations
 
