@@ -65,6 +65,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "native bf16)")
     g.add_argument("--resume", action="store_true",
                    help="measure only the cells missing from <--out>/longest.jsonl (a killed run's finished cells)")
+    g.add_argument("--journal-only", action="store_true",
+                   help="with --resume: measure nothing; the matrix of the cells already in the journal, the others "
+                        "shown as not measured (one matrix from several partial runs)")
     p.add_argument("--index-topk", type=int, default=None, help="dsa: keys per query (default 2048; --quick 256)")
     p.add_argument("--out", default="runs/bench",
                    help="folder for bench.json, bench.md and the plots (and longest.json, longest.md and the cells' "
@@ -89,6 +92,9 @@ def _main(args: argparse.Namespace) -> int:
               "every section the docs render): drop the SECTION arguments and --quick, or run without --publish "
               "(results in --out)")
         return 2
+    if args.journal_only and not args.resume:
+        print("longdoc bench: --journal-only assembles the longest matrix from <--out>/longest.jsonl: add --resume")
+        return 2
     if sections == ("attention",) and args.seq_len:
         return _single_attention(args)
     cfg = suite.quick() if args.quick else suite.SuiteConfig()
@@ -108,7 +114,8 @@ def _main(args: argparse.Namespace) -> int:
                                   **({"index_topk": args.index_topk} if args.index_topk else {}))
     kinds = dataclasses.replace(cfg.kinds, ranks=args.ranks, **({"seq_len": args.seq_len} if args.seq_len else {}))
     cfg = dataclasses.replace(cfg, sections=sections, out=args.out, attention=att, attention_lengths=tuple(lengths),
-                              hybrid=hybrid, dsa=dsa_cfg, kinds=kinds, longest=long_cfg, resume=args.resume)
+                              hybrid=hybrid, dsa=dsa_cfg, kinds=kinds, longest=long_cfg, resume=args.resume,
+                              journal_only=args.journal_only)
     result = suite.run(cfg)
     md = suite.to_markdown(result)
     print("\n" + md)

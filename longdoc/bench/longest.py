@@ -245,9 +245,13 @@ def _key(run: dict) -> str:
     return json.dumps({k: v for k, v in run.items() if k != "label"}, sort_keys=True)
 
 
-def run(cfg: LongestConfig, out: str | Path, log=print, resume: bool = False, measure: Measure = run_steps) -> dict:
+def run(cfg: LongestConfig, out: str | Path, log=print, resume: bool = False, measure: Measure = run_steps,
+        journal_only: bool = False) -> dict:
     """Measure every cell of cfg (with resume, not those already measured in <out>/longest.jsonl) and return the
-    matrix; the journal is rewritten after each cell."""
+    matrix; the journal is rewritten after each cell. journal_only (with resume): measure nothing, a cell missing
+    from the journal is shown as not measured (a matrix assembled from several partial runs)."""
+    if journal_only and not resume:
+        raise ValueError("longest: --journal-only assembles the matrix from <out>/longest.jsonl; it needs --resume")
     journal = Path(out) / JOURNAL
     cells = plan_cells(cfg)
     runs = [c.run for c in cells if c.run is not None]
@@ -264,6 +268,9 @@ def run(cfg: LongestConfig, out: str | Path, log=print, resume: bool = False, me
         if prev is not None:  # measured before: the planner's part is this checkout's planner's
             rec = _with_planner({k: v for k, v in prev.items() if k != "planner"} | {"note": cell.note}, cell.run,
                                 cfg.cap_gib, log)
+        elif journal_only and cell.run is not None:
+            rec = {"model": cell.model, "cp": cell.cp, "feature": cell.feature, "status": "skipped",
+                   "note": "left out: not measured (the matrix was assembled from the runs in the journal)"}
         else:
             rec = measure_cell(cell, cfg.cap_gib, measure, log)
         records.append(rec)

@@ -58,6 +58,7 @@ class SuiteConfig:
     kinds: kinds_memory.KindsMemoryConfig = field(default_factory=kinds_memory.KindsMemoryConfig)
     longest: longest.LongestConfig = field(default_factory=longest.LongestConfig)
     resume: bool = False  # longest: measure only the cells missing from <out>/longest.jsonl
+    journal_only: bool = False  # longest, with resume: measure nothing, assemble from the journal
 
 
 def quick() -> SuiteConfig:
@@ -157,7 +158,8 @@ def run(cfg: SuiteConfig, log=print) -> dict:
             res = train_sections.memory_vs_cp(cfg.train, measure)
             result["plots"].append(str(plots.memory(res, out)))
         elif name == "longest":
-            res = longest.run(cfg.longest, out, log, resume=cfg.resume) | {"machine": result["machine"]}
+            res = longest.run(cfg.longest, out, log, resume=cfg.resume, journal_only=cfg.journal_only) | {
+                "machine": result["machine"]}
             result["plots"].append(str(plots.longest_matrix(res, out)))
             atomic_write_text(out / "longest.json", json.dumps(res, indent=1) + "\n")
             atomic_write_text(out / "longest.md", longest.to_markdown(res) + "\n")

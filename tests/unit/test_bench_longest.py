@@ -179,6 +179,21 @@ def test_resume_keeps_other_cells_and_remeasures_a_changed_probe(tmp_path):
     assert len(probe.calls) == 1  # another probe length is another run
 
 
+def test_journal_only_assembles_partial_runs_without_measuring(tmp_path):
+    one = dataclasses.replace(_small(), models=("135m",), cps=(1,), features=("baseline",))
+    longest.run(one, tmp_path, log=lambda *_: None, measure=_fake())
+    longest.run(dataclasses.replace(one, cps=(2,)), tmp_path, log=lambda *_: None, resume=True, measure=_fake())
+    whole = dataclasses.replace(one, cps=(1, 2, 4))
+    none = _fake()
+    res = longest.run(whole, tmp_path, log=lambda *_: None, resume=True, measure=none, journal_only=True)
+    assert none.calls == []
+    assert {c["cp"]: c["status"] for c in res["cells"]} == {1: "measured", 2: "measured", 4: "skipped"}
+    assert "not measured" in next(c["note"] for c in res["cells"] if c["cp"] == 4)
+    assert "not measured" in longest.to_markdown(res)
+    with pytest.raises(ValueError, match="needs --resume"):
+        longest.run(whole, tmp_path, log=lambda *_: None, measure=none, journal_only=True)
+
+
 def test_config_checks_name_the_valid_choices():
     with pytest.raises(ValueError, match="models must be among 135m, 135m-lora, hybrid, got 7b"):
         dataclasses.replace(CFG, models=("7b",))
