@@ -11,13 +11,19 @@ from longdoc.plan.shapes import ModelShape
 
 def autocast_layer_bytes_per_token(shape: ModelShape, c: int, lora: bool, lora_rank: int,
                                    lora_targets: tuple[str, ...], tiled_mlp: bool = False) -> float:
+    """A under CPU autocast (see `autocast_layer_parts_per_token`)."""
+    return sum(autocast_layer_parts_per_token(shape, c, lora, lora_rank, lora_targets, tiled_mlp).values())
+
+
+def autocast_layer_parts_per_token(shape: ModelShape, c: int, lora: bool, lora_rank: int,
+                                   lora_targets: tuple[str, ...], tiled_mlp: bool = False) -> dict[str, float]:
     """A under CPU autocast (fp32 weights, c-byte matmul outputs), counted with saved-tensor hooks in the tests.
 
     The residual stream is fp32, so both norms run and keep fp32 tensors; their fp32 output is cast to bf16
     by every linear that reads it, separately (autocast caches casts of weights only), and a linear whose
     weight is trained keeps its own copy. Everything after the projections is bf16 as on a GPU.
     A tiled MLP keeps only its fp32 input (the second norm's output, 4h): no gate/up input casts, no gate, up,
-    act or product.
+    act or product. Split as `activations.layer_parts_per_token`: the casts each linear keeps go with its part.
     """
     h, q, kv, i, nh = shape.hidden, shape.q, shape.kv, shape.intermediate, shape.heads
     attn = c * (3 * q + 2 * kv) + 4 * nh
@@ -31,15 +37,15 @@ def autocast_layer_bytes_per_token(shape: ModelShape, c: int, lora: bool, lora_r
         ("gate_up_proj",) if shape.fused_qkv else ("gate_proj", "up_proj")
     stash = 4 * h
     if not lora:
-        if tiled_mlp:
-            return 2 * (norm_base + normed) + c * h * len(attn_readers) + stash + attn + qk
-        casts = c * h * (len(attn_readers) + len(mlp_readers))
-        return 2 * (norm_base + normed) + casts + attn + qk + 4 * c * i
+        mlp = stash if tiled_mlp else c * h * len(mlp_readers) + 4 * c * i
+        return {"norms": 2 * (norm_base + normed), "attention": c * h * len(attn_readers) + attn + qk, "mlp": mlp,
+                "adapters": 0}
     # Frozen base: the norms keep no normed copy, frozen linears no input; each adapter keeps its bf16 input
     # and its rank-r intermediate; the MLP keeps gate, up and act for the gradient to earlier layers.
     targets = set(lora_targets)
     fused = {"q_proj", "k_proj", "v_proj"} if shape.fused_qkv else set()
-    readers = sum(1 for t in (*attn_readers, *(() if tiled_mlp else mlp_readers)) if t in targets) + \
-        (1 if fused & targets else 0)
+    attn_read = sum(1 for t in attn_readers if t in targets) + (1 if fused & targets else 0)
+    mlp_read = 0 if tiled_mlp else sum(1 for t in mlp_readers if t in targets)
     mlp = stash if tiled_mlp else 3 * c * i + (c * i if "down_proj" in targets else 0)
-    return 2 * norm_base + c * h * readers + attn + qk + mlp + c * lora_rank * len(lora_targets)
+    return {"norms": 2 * norm_base, "attention": c * h * attn_read + attn + qk, "mlp": c * h * mlp_read + mlp,
+            "adapters": c * lora_rank * len(lora_targets)}

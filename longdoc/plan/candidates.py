@@ -36,7 +36,9 @@ class Candidate:
                 f"{'on' if s.checkpointing else 'off'}, "
                 + (f"chunked loss ({s.loss_chunk} tokens)" if s.loss_chunk else "full logits (no chunked loss)")
                 + (", LoRA" if s.lora else "") + (", FSDP2" if s.uses_fsdp else "")
-                + (", checkpoints offloaded to host" if s.offload else "") + (", tiled MLP" if s.tiled_mlp else ""))
+                + (", checkpoints offloaded to host" if s.offload else "")
+                + ((f", tiled MLP ({s.mlp_tile:,}-token tiles)" if s.mlp_tile else ", tiled MLP") if s.tiled_mlp
+                   else ""))
 
     def recipe_keys(self) -> str:
         """The recipe overrides that train this configuration (`longdoc train RECIPE key=value ...`)."""
@@ -66,7 +68,8 @@ class Candidate:
             "cp": s.cp, "dp": s.dp, "strategy": s.strategy, "ulysses_size": s.ulysses_size,
             "layout": s.layout, "checkpointing": s.checkpointing,
             "loss_chunk": s.loss_chunk, "lora": s.lora, "fsdp": s.uses_fsdp, "tokens_per_rank": s.tokens,
-            "offload": s.offload, "tiled_mlp": s.tiled_mlp, "recipe_keys": self.recipe_keys(),
+            "offload": s.offload, "tiled_mlp": s.tiled_mlp, "mlp_tile": s.mlp_tokens if s.tiled_mlp else None,
+            "recipe_keys": self.recipe_keys(),
             "fits": self.fits, "peak_gib": self.memory.total_gib, "peak_phase": self.memory.peak_phase,
             "allocator_gib": self.memory.allocator_gib,
             "breakdown_gib": {k: v / GIB for k, v in self.memory.breakdown.items()},

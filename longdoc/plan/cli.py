@@ -64,6 +64,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tiled-mlp", action=argparse.BooleanOptionalAction, default=None,
                    help="the MLP over token tiles with recompute (train.tiled_mlp; default: consider both, "
                         "recommended only when needed to fit)")
+    p.add_argument("--mlp-tile", default=None, metavar="TOKENS",
+                   help="tokens per tile of the tiled MLP (train.mlp_tile_tokens, e.g. 512 or 2k; default: the "
+                        "hidden size, as training does)")
     p.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None,
                    help="shard weights, gradients and AdamW moments over dp x cp (train.fsdp; default: FSDP2 for full "
                         "fine-tuning on GPUs; on CPU both are considered)")
@@ -77,6 +80,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_main)
 
 
+def _tokens(flag: str, text: str | None) -> int | None:
+    """A token count given as text (4096, 4k), or None; a bad one is a ValueError naming the flag (one line)."""
+    if text is None:
+        return None
+    try:
+        return cliargs.length(text)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"{flag}: {e}") from None
+
+
 def _main(args: argparse.Namespace) -> int:
     from longdoc.plan.planner import PlanRequest, longest_fitting, plan
 
@@ -87,7 +100,7 @@ def _main(args: argparse.Namespace) -> int:
                           chunked_loss=not args.no_chunked_loss,
                           loss_chunk=args.loss_chunk, loss_tokens=args.loss_tokens, micro_batch=args.micro_batch,
                           memory_gib=args.memory_gib, offload=args.offload, tiled_mlp=args.tiled_mlp,
-                          fsdp=args.fsdp, layers=args.layers,
+                          mlp_tile=_tokens("--mlp-tile", args.mlp_tile), fsdp=args.fsdp, layers=args.layers,
                           precision=args.precision)
         result = plan(req)
         ceiling = max(req.seq_len, 1 << 24)

@@ -16,7 +16,11 @@ Saved activations, per token and layer, of an HF Llama-style layer (counted with
 the tests):  A = 2*(4h + 4 + 2ch) [two RMSNorms: fp32 input, rsqrt, normed, out] + c*(3q + 2kv) [q, k
 after RoPE, v, attention out, o_proj input] + 4nh [lse] + 4cI [gate, up, act, product]; Qwen3's q/k
 norms add 4(q+kv) + 4(nh+nkv) + c(q+kv); LayerNorm keeps (ch + 8) + ch per norm; Phi-3's fused qkv
-output stays whole, + c(q+kv). LoRA (frozen base): frozen linears keep no input, see `layer_bytes_per_token`.
+output stays whole, + c(q+kv); Gemma / Qwen3-Next / GPT-OSS / OLMo-2 norms keep their normed x in fp32 (4h, not ch).
+LoRA (frozen base): frozen linears keep no input, see `layer_bytes_per_token`. Other layer kinds (Mamba2 and Gated
+DeltaNet mixers, MoE, MLA, DSA) replace A's attention or MLP part with their own terms per layer, A_j
+(longdoc.plan.kinds); DSA adds forward temporaries (the indexer's keys of the whole sequence, one score tile) and a
+selected-key mask tile to the attention backward.
 Shared by all layers: RoPE cos/sin 2*N*rotary_dim*c. After the last layer: final norm + the loss tokens'
 hidden states N*(4h + 4 + 3ch).
 Activation checkpointing (per decoder layer): n*N*h*c checkpoints + one layer's A*N while it is
@@ -58,11 +62,12 @@ plus the runtime (CUDA context + NCCL, or the Python process) and allocator slac
 from __future__ import annotations
 
 from longdoc.parallel.layout import num_chunks
-from longdoc.plan import strategies
-from longdoc.plan.activations import LORA_TARGETS, layer_bytes_per_token  # noqa: F401 - re-exported
+from longdoc.parallel.selection import MASK_ELEMENTS
+from longdoc.plan import kinds, strategies
+from longdoc.plan.activations import LORA_TARGETS, layer_bytes_per_token, layer_parts_per_token  # noqa: F401
 from longdoc.plan.hardware import GIB
 from longdoc.plan.setups import CATEGORIES, MemoryEstimate, Setup, Term  # noqa: F401 - re-exported
-from longdoc.plan.shapes import lora_params_per_layer
+from longdoc.plan.shapes import MODELLED_MIXERS, lora_params_per_layer
 
 
 def _comm_buffers(s: Setup) -> tuple[float, str]:
@@ -95,7 +100,8 @@ def estimate(s: Setup) -> MemoryEstimate:
     a_tok = layer_bytes_per_token(sh, c, s.lora, s.lora_rank, s.lora_targets, autocast=dev.autocast,
                                   tiled_mlp=s.tiled_mlp)
     t_mlp = s.mlp_tokens
-    a = a_tok * n
+    per_layer = layer_saved_bytes(s)  # what each layer saves for its backward (kinds: longdoc.plan.kinds)
+    uniform = not _kinds_priced(sh)
     rotary = T("rotary cos/sin", "activations", f"2*N*rotary_dim*{rs} = 2*{n:,}*{sh.rotary_dim}*{r}",
                2 * n * sh.rotary_dim * r)
 
@@ -107,8 +113,11 @@ def estimate(s: Setup) -> MemoryEstimate:
         if s.checkpointing:
             return T(f"checkpoints ({layers} layers)", "activations", f"{layers}*N*h*{rs} = {layers}*{n:,}*{h}*{r}",
                      layers * n * h * r)
-        return T(f"saved activations ({layers} layers)", "activations", f"{layers}*A*N = {layers}*{a_tok:,.0f}*{n:,}",
-                 layers * a)
+        if uniform:
+            return T(f"saved activations ({layers} layers)", "activations",
+                     f"{layers}*A*N = {layers}*{a_tok:,.0f}*{n:,}", layers * a_tok * n)
+        return T(f"saved activations ({layers} layers)", "activations", _kinds_formula(sh, per_layer[:layers]),
+                 sum(per_layer[:layers]))
 
     head_params = 0 if s.lora else (sh.params.head or sh.params.embed)
     # f: bytes of a gathered parameter and its unsharded gradient: FSDP2's bf16 mixed precision on GPUs; on CPU
@@ -130,14 +139,17 @@ def estimate(s: Setup) -> MemoryEstimate:
     tn = "T" if s.tiled_mlp else "N"  # the MLP's intermediates span one tile of T tokens when tiled
     forward = [*state, saved(nl), rotary, *casts["forward"], T("layer forward temporaries", "activations",
                                             f"3*c*{tn}*I = 3*{c}*{t_mlp:,}*{i:,}", 3 * c * t_mlp * i), *fsdp_root]
+    if sh.indexer is not None:  # the indexer's keys of the whole sequence and one score tile (no_grad: not saved)
+        keys = s.micro_batch * s.padded_len * sh.indexer.head_dim * c
+        forward.append(T("DSA indexer: all index keys + one score tile", "activations",
+                         f"B*L*d_idx*c + 4*S_tile = {s.micro_batch}*{s.padded_len:,}*{sh.indexer.head_dim}*{c} + "
+                         f"4*{kinds.DSA_SCORE_ELEMENTS:,}", keys + 4 * kinds.DSA_SCORE_ELEMENTS))
     if s.uses_fsdp:
         forward.append(T("FSDP layers gathered (current + prefetched)", "fsdp_buffers",
                          f"2*P_l*f = 2*{p_l:,}*{f}", 2 * p_l * f))
 
     # loss: the CE backward of the last chunk; earlier chunks' lm_head gradient exists already
-    loss = [*state, saved(nl), rotary, *casts["loss"],
-            T("final norm + loss inputs", "activations", f"N*(4h + 4 + 3{rs}h) = {n:,}*(4*{h} + 4 + 3*{r}*{h})",
-              n * (4 * h + 4 + 3 * r * h)),
+    loss = [*state, saved(nl), rotary, *casts["loss"], _loss_inputs(s),
             T("loss chunk (fp32 log-probs, their grad, logits grad)", "loss",
               f"12*C*V = 12*{s.chunk:,}*{v:,}", 12.0 * s.chunk * v), *fsdp_root]
     if chunked and head_params:
@@ -152,6 +164,8 @@ def estimate(s: Setup) -> MemoryEstimate:
     # the MLP's saved part (4cNI) is freed by then (tiled: it was never saved)
     freed = 0 if s.tiled_mlp else 4 * c * n * i
     attn_tmp = 4 * n * q + 2 * c * n * q - freed
+    if sh.indexer is not None:  # selected keys: one bool mask tile and the additive mask a kernel builds from it
+        attn_tmp += MASK_ELEMENTS * (1 + c)
     grad_layer = (lora_params_per_layer(sh, s.lora_rank, s.lora_targets) if s.lora else p_l) * 4 / S
 
     def backward_at(j: int) -> list[Term]:
@@ -163,8 +177,12 @@ def estimate(s: Setup) -> MemoryEstimate:
         if s.checkpointing:
             # In fp32 the first norm's saved input IS the checkpointed layer input: not counted twice.
             alias = n * h * 4 if r == 4 else 0
-            terms.append(T("recomputed layer", "activations", f"A*N - alias = {a_tok:,.0f}*{n:,} - {alias:,}",
-                           a - alias))
+            if uniform:
+                terms.append(T("recomputed layer", "activations", f"A*N - alias = {a_tok:,.0f}*{n:,} - {alias:,}",
+                               a_tok * n - alias))
+            else:
+                terms.append(T(f"recomputed layer ({kinds.kind_label(sh, j)})", "activations",
+                               f"A_{j}*N - alias = {per_layer[j]:,.0f} - {alias:,}", per_layer[j] - alias))
         if attn_tmp + comm > mlp_tmp:
             terms += [T("attention backward workspace", "activations",
                         f"4Nq + 2cNq - freed MLP = {n:,}*(4*{q} + 2*{c}*{q}) - {freed:,}", attn_tmp),
@@ -192,6 +210,67 @@ def estimate(s: Setup) -> MemoryEstimate:
             terms.append(T("allocator slack", "slack", f"{dev.slack:g} x short-lived bytes", dev.slack * short))
     peak = max(phases, key=lambda k: sum(t.bytes for t in phases[k]))
     return MemoryEstimate(setup=s, phases=phases, peak_phase=peak, notes=_notes(s))
+
+
+def _kinds_priced(shape) -> bool:
+    """Whether some layer is priced by longdoc.plan.kinds rather than as a Llama-style layer (A*N)."""
+    return bool(shape.experts is not None or shape.mla is not None or shape.indexer is not None or shape.attn_gate
+                or any(shape.mixer(j) in MODELLED_MIXERS for j in range(shape.layers)))
+
+
+def layer_saved_bytes(s: Setup) -> list[float]:
+    """Bytes each decoder layer saves for its backward on this rank's N tokens (A*N for a Llama-style layer;
+    other kinds: longdoc.plan.kinds)."""
+    sh, c = s.shape, s.c
+    args = (c, s.lora, s.lora_rank, s.lora_targets, s.dev.autocast, s.tiled_mlp)
+    parts = layer_parts_per_token(sh, *args)
+    if not _kinds_priced(sh):
+        return [sum(parts.values()) * s.tokens] * sh.layers
+    dense = layer_parts_per_token(kinds.dense_shape(sh), *args)
+    pc = kinds.Pieces.of(s.layout, s.cp, s.padded_len, s.micro_batch)
+    return [kinds.layer_bytes(sh, j, s.tokens, pc, c, s.padded_len, parts, dense, s.tiled_mlp, s.dev.autocast)
+            for j in range(sh.layers)]
+
+
+def _kinds_formula(shape, per_layer: list[float]) -> str:
+    """'sum of A_j*N': the layers grouped by kind, bytes each."""
+    groups: dict[tuple[str, float], int] = {}
+    for j, b in enumerate(per_layer):
+        key = (kinds.kind_label(shape, j), round(b))
+        groups[key] = groups.get(key, 0) + 1
+    return "sum A_j*N = " + " + ".join(f"{k}*{b:,} ({label})" for (label, b), k in groups.items())
+
+
+def _loss_inputs(s: Setup) -> Term:
+    """The final norm (fp32 input, rsqrt, normed), the lm_head's input and the chunked loss's copy of its tokens'
+    hidden states."""
+    n, h = s.tokens, s.shape.hidden
+    r = 4 if s.dev.autocast else s.c
+    rs = "r" if s.dev.autocast else "c"
+    if s.shape.norm_fp32 and r < 4:  # the final norm keeps its fp32 normalised x (shapes.ModelShape.norm_fp32)
+        return Term("final norm + loss inputs", "activations", f"N*(8h + 4 + 2{rs}h) = {n:,}*(8*{h} + 4 + 2*{r}*{h})",
+                    n * (8 * h + 4 + 2 * r * h))
+    return Term("final norm + loss inputs", "activations", f"N*(4h + 4 + 3{rs}h) = {n:,}*(4*{h} + 4 + 3*{r}*{h})",
+                n * (4 * h + 4 + 3 * r * h))
+
+
+def saved_for_backward(s: Setup) -> list[Term]:
+    """The tensors a step has saved for its backward when its forward (loss included) ends: every layer's (or its
+    checkpoint), RoPE's cos/sin, the final norm and the loss's inputs. Without checkpointing this is what
+    `longdoc bench kinds` counts as saved bytes (tests/unit/test_plan_kinds.py); unchunked, the loss keeps its
+    fp32 log-probs N*V*4 in place of the chunked loss's copy of the hidden states."""
+    est = estimate(s)
+    terms = [t for t in est.phases["loss"] if t.label.startswith(("saved activations", "checkpoints", "rotary"))]
+    n, h, v = s.tokens, s.shape.hidden, s.shape.vocab
+    ids = Term("token ids and labels (int64)", "activations", f"16*N = 16*{n:,}", 16 * n)
+    if s.loss_chunk is not None:
+        return [*terms, _loss_inputs(s), ids]
+    r = 4 if s.dev.autocast else s.c
+    rs = "r" if s.dev.autocast else "c"
+    normed = 4 if s.shape.norm_fp32 else r
+    return [*terms, Term("final norm + lm_head input + fp32 log-probs", "activations",
+                         f"N*(4h + 4 + {normed}h + {rs}h + 4V) = {n:,}*(4*{h} + 4 + {normed}*{h} + {r}*{h} + 4*{v:,})",
+                         n * (4 * h + 4 + normed * h + r * h + 4 * v)), ids]
 
 
 def _autocast_weights(s: Setup) -> dict[str, list[Term]]:
@@ -231,20 +310,34 @@ def _adam_temporaries(s: Setup) -> Term:
 
 
 def _notes(s: Setup) -> list[str]:
-    notes = []
-    if s.shape.moe:
-        notes.append("MoE model: activations use the active experts' width (k * expert width + shared); the "
-                     "router and dispatch buffers are not modelled")
+    notes, sh = [], s.shape
+    if sh.experts is not None:
+        notes.append("MoE layers: the router, the k routed copies of each token through the experts and the shared "
+                     "experts are priced as they are saved (longdoc/plan/kinds.py); the forward and backward "
+                     f"temporaries use the widest MLP a token passes, I = {sh.intermediate:,} (k*expert + shared, or "
+                     f"a dense layer's)")
     if s.shape.max_positions and s.seq_len > s.shape.max_positions:
         notes.append(f"seq_len {s.seq_len} exceeds the model's context ({s.shape.max_positions}); train with "
                      f"model.rope_type=yarn and a rope_factor")
-    if s.shape.mixers:
-        notes.append(f"hybrid model ({', '.join(s.shape.mixers)} layers): every layer is priced as an attention layer; "
-                     f"the recurrent state summaries, conv halos and chunk (SSD) intermediates are not modelled yet, "
-                     f"so measure it (`longdoc bench kinds`, a short `longdoc train` run)")
-    if s.shape.sparse:
-        notes.append("sparse indexed attention (DSA): priced as dense attention; the indexer's key cache and its "
-                     "16 MB score tile per rank are not modelled yet")
+    modelled = sorted({sh.mixer(j) for j in range(sh.layers)} & MODELLED_MIXERS)
+    if modelled:
+        notes.append(f"hybrid model ({', '.join(modelled)} layers): the chunked scans' saved intermediates, conv "
+                     f"halos and this rank's state summaries are priced per layer (longdoc/plan/kinds.py), one "
+                     f"document per row (packed rows run more pieces); the scans' backward temporaries are not "
+                     f"modelled (every layer is given the attention backward's workspace)")
+    unmodelled = sorted({sh.mixer(j) for j in range(sh.layers)} - MODELLED_MIXERS - {"attention"})
+    if not sh.layer_kinds and sh.mixers:
+        unmodelled = list(sh.mixers)
+    if unmodelled:
+        notes.append(f"not modelled yet, priced as attention layers: {'; '.join(unmodelled)} (state summaries, "
+                     f"halos, scan intermediates); measure them (`longdoc bench kinds`, a short `longdoc train` run)")
+    if sh.indexer is not None:
+        notes.append(f"sparse indexed attention (DSA): its int32 top-k indices (saved), the indexer's keys of the "
+                     f"whole sequence with one {4 * kinds.DSA_SCORE_ELEMENTS // 2**20} MiB score tile (forward) and "
+                     f"the selected-key mask tile (backward) are priced; its attention FLOPs as dense causal attention")
+    if (s.lora or s.dev.autocast) and _kinds_priced(sh):
+        notes.append("LoRA / CPU autocast are modelled for attention layers with dense MLPs; the other kinds' "
+                     "layers (recurrent mixers, MoE, MLA) are priced with their full fine-tuning terms")
     if s.offloads:
         host = s.shape.layers * s.tokens * s.shape.hidden * s.c
         notes.append(f"offloaded layer checkpoints take {host / GIB:.1f} GiB of (pinned) host memory per rank")

@@ -66,6 +66,7 @@ class PlanRequest:
     # a run needs them to fit (near ties go to the configuration without: they cost copies and recompute)
     offload: bool | None = None
     tiled_mlp: bool | None = None
+    mlp_tile: int | None = None  # tokens per tiled-MLP tile (None: the hidden size, train.mlp_tile_tokens' default)
     fsdp: bool | None = None  # None: FSDP2 for full fine-tuning on GPUs; on CPU both are considered (train.fsdp)
     layers: int | None = None  # plan the model at this depth (the benchmarks' reduced-depth runs)
 
@@ -96,6 +97,11 @@ class PlanRequest:
         if self.fsdp and self.lora:
             raise ValueError("--fsdp shards full fine-tuning's state; with --lora the trainable state is small and "
                              "the frozen base is not sharded by longdoc's trainer")
+        if self.mlp_tile is not None and self.mlp_tile < 1:
+            raise ValueError(f"--mlp-tile must be a positive number of tokens, got {self.mlp_tile}")
+        if self.mlp_tile is not None and self.tiled_mlp is False:
+            raise ValueError("--mlp-tile sets the tiled MLP's tile: it goes with --tiled-mlp (or with --tiled-mlp left "
+                             "open), not with --no-tiled-mlp")
         if self.layers is not None and self.layers < 1:
             raise ValueError(f"--layers must be at least 1, got {self.layers}")
         if self.cp and self.dp and self.cp * self.dp != self.gpus:
@@ -133,7 +139,8 @@ class Plan:
             "request": dataclasses.asdict(self.request),
             "model": {"name": sh.name, "params": sh.params.total, "layers": sh.layers, "hidden": sh.hidden,
                       "intermediate": sh.intermediate, "heads": sh.heads, "kv_heads": sh.kv_heads,
-                      "head_dim": sh.head_dim, "vocab": sh.vocab, "tied": sh.tied},
+                      "head_dim": sh.head_dim, "vocab": sh.vocab, "tied": sh.tied,
+                      "mixers": [sh.mixer(j) for j in range(sh.layers)], "mlps": [sh.mlp(j) for j in range(sh.layers)]},
             "device": dataclasses.asdict(self.request.dev), "precision": self.request.precision,
             "capacity_gib": self.request.capacity_gib,
             "assumptions": dataclasses.asdict(Assumptions()),
@@ -195,8 +202,8 @@ def _setups(req: PlanRequest, shape: ModelShape) -> list[Setup]:
                       strategy=st, ulysses_size=u, checkpointing=ac,
                       loss_chunk=(req.loss_chunk or loss_chunk_tokens(shape.vocab)) if req.chunked_loss else None,
                       loss_tokens=req.loss_tokens,
-                      lora=req.lora, device=req.gpu, offload=off, tiled_mlp=tile, fsdp=fs,
-                      precision=req.precision)
+                      lora=req.lora, device=req.gpu, offload=off, tiled_mlp=tile,
+                      mlp_tile=req.mlp_tile if tile else None, fsdp=fs, precision=req.precision)
                 for st, u in layouts for ac, off, tile, fs in options]
     if not out:
         raise ValueError(f"--strategy {req.strategy} is open at no cp dividing --gpus {req.gpus}: Ulysses needs as "

@@ -50,6 +50,10 @@ def render_plan(p: Plan, show_all: bool = False) -> str:
     head = (f"longdoc plan: {sh.name} ({sh.params.total / 1e9:.2f}B params, {sh.layers} layers, hidden {sh.hidden}, "
             f"{sh.heads}/{sh.kv_heads} heads x {sh.head_dim}, vocab {sh.vocab:,}) at {r.seq_len:,} tokens "
             f"x {r.micro_batch} on {r.gpus} x {dev.name}" + (f" ({r.interconnect})" if dev.is_gpu else ""))
+    kinds = sorted({f"{sh.mixer(j)} + {sh.mlp(j)}" for j in range(sh.layers)})
+    if len(kinds) > 1 or sh.experts is not None or sh.layer_kinds:
+        counts = {k: sum(1 for j in range(sh.layers) if f"{sh.mixer(j)} + {sh.mlp(j)}" == k) for k in kinds}
+        head += "\nlayers: " + ", ".join(f"{n} x {k}" for k, n in counts.items())
     lines = [head, _precision_line(r), ""]
     if p.best is not None:
         lines.append(f"RECOMMENDED: {p.best.describe()}")

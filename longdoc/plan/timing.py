@@ -28,6 +28,11 @@ Communication (bandwidth b of the group's link, see hardware.link_gbps, x link e
     the backward on a side stream, overlapped with the layer: a layer takes max(its compute, N*h*c / host link).
   tiled MLP: with checkpointing the tiled backward's recompute replaces the checkpoint's MLP recompute (no extra
     FLOPs); without it, the MLP's forward runs once more: + 2*N*P_mlp per layer.
+  layer kinds: only attention layers (ModelShape.attention_layers) have the L^2 attention and its CP
+    communication; a Mamba2 / Gated DeltaNet layer costs its projections (in P_mm) and its scan, whose FLOPs
+    (linear in N) are not counted. A MoE layer's tokens pass k of its E experts: the dense FLOPs count the layers'
+    parameters less the (E - k) gated experts (3*h*I_e each) a token does not visit. DSA's attention is priced as
+    dense causal attention.
 """
 
 from __future__ import annotations
@@ -50,6 +55,15 @@ class StepTime:
     tokens_per_s_per_device: float
 
 
+def _active_layer_params(sh) -> float:
+    """The decoder layers' parameters a token's matmuls use: all, less the routed experts it does not visit."""
+    e = sh.experts
+    if e is None:
+        return sh.params.layers
+    moe_layers = sum(1 for j in range(sh.layers) if sh.mlp(j) == "moe")
+    return sh.params.layers - moe_layers * (e.experts - e.top_k) * 3 * sh.hidden * e.width
+
+
 def estimate_time(s: Setup, interconnect: str = "nvlink", assume: Assumptions | None = None) -> StepTime:
     assume = assume or Assumptions()
     sh, dev, n, c = s.shape, s.dev, s.tokens, s.c
@@ -61,9 +75,10 @@ def estimate_time(s: Setup, interconnect: str = "nvlink", assume: Assumptions | 
 
     p_mm = sh.params.matmul
     rows = s.logit_rows  # the chunked loss computes the lm_head only where a token has a label
-    dense_f = 2.0 * n * sh.params.layers + 2.0 * rows * (p_mm - sh.params.layers)
+    active = _active_layer_params(sh)
+    dense_f = 2.0 * n * active + 2.0 * rows * (p_mm - sh.params.layers)
     dense_b = dense_f * (1.0 if s.lora else 2.0)
-    layers_f = 2.0 * n * sh.params.layers
+    layers_f = 2.0 * n * active
     balance = (2 * s.cp - 1) / s.cp if s.layout == "contiguous" and s.cp > 1 else 1.0
     attn_f_layer = 2.0 * s.micro_batch * s.padded_len**2 * sh.q / s.cp * balance
     attn_b_layer = 2.5 * attn_f_layer
@@ -71,8 +86,9 @@ def estimate_time(s: Setup, interconnect: str = "nvlink", assume: Assumptions | 
     mlp_recompute = 0.0 if s.checkpointing or not s.tiled_mlp else 2.0 * n * 3 * sh.hidden * sh.intermediate * sh.layers
     recompute_dense = ((layers_f if s.checkpointing else 0.0) + mlp_recompute
                        + (2.0 * rows * sh.vocab * sh.hidden if s.loss_chunk else 0.0))
-    flops = {"dense": dense_f + dense_b, "attention": sh.layers * (attn_f_layer + attn_b_layer),
-             "recompute": recompute_dense + (sh.layers * attn_f_layer if s.checkpointing else 0.0)}
+    n_attn = sh.attention_layers  # hybrids: the other layers' mixers have no L^2 attention and no CP ring
+    flops = {"dense": dense_f + dense_b, "attention": n_attn * (attn_f_layer + attn_b_layer),
+             "recompute": recompute_dense + (n_attn * attn_f_layer if s.checkpointing else 0.0)}
 
     # Attention per layer with its CP communication: overlapped (ring), or not (all-gather, the all-to-alls)
     # kernel efficiency by block size (ring: small zigzag chunks; Ulysses: one kernel over the sequence)
@@ -88,25 +104,26 @@ def estimate_time(s: Setup, interconnect: str = "nvlink", assume: Assumptions | 
     attn_bwd_s = bwd + (fwd if s.checkpointing else 0.0)
 
     # Dense compute per layer, then FSDP's per-layer collectives overlapped with the whole layer.
-    per_layer_dense_f = 2.0 * n * sh.params.layer / mm_rate
+    per_layer_dense_f = 2.0 * n * (sh.params.layer if active == sh.params.layers else active / sh.layers) / mm_rate
     per_layer_dense_b = per_layer_dense_f * (1.0 if s.lora else 2.0) + (per_layer_dense_f if s.checkpointing else 0.0)
     per_layer_dense_b += mlp_recompute / sh.layers / mm_rate
-    layer_f = per_layer_dense_f + attn_fwd_s
-    layer_b = per_layer_dense_b + attn_bwd_s
-    comm_bytes = {"cp": sh.layers * (layer.forward_bytes * (2 if s.checkpointing else 1) + layer.backward_bytes)}
+    # per layer (forward, backward): attention layers, then the others (no attention, no ring)
+    kinds = [(n_attn, per_layer_dense_f + attn_fwd_s, per_layer_dense_b + attn_bwd_s),
+             (sh.layers - n_attn, per_layer_dense_f, per_layer_dense_b)]
+    comm_bytes = {"cp": n_attn * (layer.forward_bytes * (2 if s.checkpointing else 1) + layer.backward_bytes)}
     if s.offloads:  # the copies run on a side stream beside the layer's compute
         ckpt = n * sh.hidden * c
         copy_s = ckpt / (dev.host_gbps * 1e9 * assume.link_efficiency)
-        layer_f, layer_b = max(layer_f, copy_s), max(layer_b, copy_s)
+        kinds = [(k, max(f, copy_s), max(b, copy_s)) for k, f, b in kinds]
         comm_bytes["offload"] = 2 * sh.layers * ckpt
     if s.uses_fsdp:
         frac = (s.shards - 1) / s.shards
         ag = sh.params.layer * c * frac / bw_all + lat
         rs = sh.params.layer * 4 * frac / bw_all + lat
-        body_f, body_b = sh.layers * max(layer_f, ag), sh.layers * max(layer_b, ag + rs)
+        body_f, body_b = (sum(k * max(f, ag) for k, f, _ in kinds), sum(k * max(b, ag + rs) for k, _, b in kinds))
         comm_bytes["fsdp"] = sh.params.total * frac * (2 * c + 4)
     else:
-        body_f, body_b = sh.layers * layer_f, sh.layers * layer_b
+        body_f, body_b = sum(k * f for k, f, _ in kinds), sum(k * b for k, _, b in kinds)
         if s.uses_ddp:
             allreduce = 2 * s.trainable * 4 * (s.world - 1) / s.world
             comm_bytes["ddp"] = allreduce
