@@ -82,3 +82,19 @@ def hybrid_pair(arch: str, seed: int = 1, dtype: torch.dtype = torch.float32,
                 **overrides: Any) -> tuple[PreTrainedModel, PreTrainedModel]:
     """(reference, twin to patch) with identical weights; eager attention and experts."""
     return twin_pair(hybrid_config(arch, **overrides), seed, dtype)
+
+
+def every_expert(arch: str) -> dict[str, Any]:
+    """Config overrides that route every token to every expert (top-k = the number of experts), {} for a model
+    without experts. A top-k choice is a discrete jump: where two router logits are within a bf16 rounding, which
+    expert a token gets depends on the order of the additions before it. Measured on Granite-4-H and Jamba here, one
+    token of the 80 took another expert under longdoc's (equally valid) Mamba scan than under transformers', at cp=1
+    as at cp=2 and 3, and moved CP 0.14 / 0.3 from one process (logits / gradients, largest entry); top-2 failed the
+    bf16 check on 6 of 48 seeds and world sizes, routing to all experts on none of 72. So the bf16 comparisons route
+    to every expert: the router's weights and gradient and every expert still run, and a rounding moves them
+    continuously."""
+    config = hybrid_config(arch)
+    if getattr(config, "num_experts_per_tok", None) is None:
+        return {}
+    return {"num_experts_per_tok": next(getattr(config, k) for k in ("num_local_experts", "num_experts")
+                                        if getattr(config, k, None))}
