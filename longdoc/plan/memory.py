@@ -38,7 +38,9 @@ ring buffers over U*N tokens (longdoc/plan/strategies.py `buffers`).
 FSDP2 buffers (f bytes per gathered parameter: c on GPUs, FSDP2's bf16 mixed precision; 4 on CPU, where
 fully_shard gathers the fp32 weights): forward 2*P_l*f (current + prefetched layer), backward P_l*(3f + 4) (two
 layers of params, the unsharded gradient and its fp32 reduce copy); the root unit (embedding, lm_head, norm) stays
-unsharded from forward to the end of backward: P_root*f, + its lm_head gradient P_head*f.
+unsharded from forward to the end of backward: P_root*f, + its lm_head gradient P_head*f; in the loss's backward
+the last layer's all-gather output P_l*f (the root's pre-backward prefetches it at the first backward op; it is
+copied out and freed only when that layer's backward starts, after every loss chunk).
 CPU bf16 autocast (weights fp32, c = 2 for matmul outputs): the residual stream, the norms and RoPE's cos/sin
 stay fp32 (r = 4 where the text above says c), a norm's output is not kept, and each trainable linear reading it
 keeps its own bf16 copy c*h (3 for q/k/v, 2 for gate/up; fused projections one); autocast's bf16 weight
@@ -53,6 +55,7 @@ grad beside the whole input gradient); nothing of the MLP is freed before the at
 The step's peak is the largest of four phases, each a sum of the terms live at that moment:
   forward   state + DDP buckets + n checkpoints + a layer's forward temporaries (3*c*N*I: gate, up, act)
   loss      state + DDP buckets + n checkpoints (or n*A*N) + final-norm/loss inputs + 12*C*V + lm_head grads
+            + FSDP's root unit and the last layer prefetched for the backward
   backward  state + grads of the layers above + checkpoints of the layers below + A*N + the layer's
             backward temporaries + FSDP buffers (the worst layer: usually the last, at large cp the first)
   optimizer state + all grads + DDP buckets + AdamW temporaries
@@ -154,6 +157,9 @@ def estimate(s: Setup) -> MemoryEstimate:
               f"12*C*V = 12*{s.chunk:,}*{v:,}", 12.0 * s.chunk * v), *fsdp_root]
     if chunked and head_params:
         loss.append(head_grad)
+    if s.uses_fsdp:  # measured: the last layer's all-gather output (P_l fp32 on CPU) is alive in every loss chunk
+        loss.append(T("FSDP last layer gathered ahead of its backward (prefetch)", "fsdp_buffers",
+                      f"P_l*f = {p_l:,}*{f}", p_l * f))
 
     # backward of layer j (n-1 first): inputs of layers 0..j, gradients of the layers above, layer j's tensors
     # tiled: one tile recomputed with grad (its 4cTI saved + 2cTI gradients) beside the whole input gradient
