@@ -63,7 +63,7 @@ def setup_for(run: TrainRun) -> Setup:
         shape = dataclasses.replace(shape, max_positions=run.seq_len)
     return Setup(shape=shape, seq_len=run.seq_len, cp=run.cp, dp=1, checkpointing=run.checkpointing,
                  loss_chunk=run.loss_chunk, lora=run.lora, device="cpu", precision=run.precision, ddp=True,
-                 fsdp=run.fsdp, tiled_mlp=run.tiled_mlp, offload=run.offload)
+                 fsdp=run.fsdp, tiled_mlp=run.tiled_mlp, offload=run.offload, steps=run.steps)
 
 
 def predict(run: TrainRun) -> MemoryEstimate:

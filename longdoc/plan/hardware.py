@@ -76,11 +76,12 @@ DEVICES: dict[str, Device] = {
                    ib_gbps=25.0, host_gbps=32.0, gpu=True, compute_bytes=2, weight_bytes=2, runtime_gib=1.5,
                    slack=0.10),
     # One gloo rank with 1 thread. runtime_gib: RSS of a training process before its first step, less its
-    # weights (Python, torch, transformers, accelerate, gloo), measured on this project's machines; assumes
+    # weights (Python, torch, transformers, accelerate, gloo), measured on this project's machines (135M at 1 layer,
+    # cp=2, a tensor tracker: 0.612 GiB RSS at the first forward with 0.119 GiB of live tensors); assumes
     # freed memory goes back to the OS (longdoc.train.metrics.return_freed_memory).
     # peak_tflops: the ~70 GFLOP/s per core that the CPU flash-attention kernels reach (DESIGN.md).
     "cpu": Device(name="CPU process (fp32, gloo)", memory_gib=16.0, peak_tflops=0.07, hbm_gbps=10.0,
-                  nvlink_gbps=0.6, ib_gbps=0.6, gpu=False, compute_bytes=4, weight_bytes=4, runtime_gib=0.45,
+                  nvlink_gbps=0.6, ib_gbps=0.6, gpu=False, compute_bytes=4, weight_bytes=4, runtime_gib=0.49,
                   slack=0.0, achieved=True, attention_knee_tokens=180.0),
 }
 INTERCONNECTS = ("nvlink", "ib")

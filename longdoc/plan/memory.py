@@ -11,7 +11,8 @@ Notation (every term below is in bytes; README "Planning" works an example by ha
 
 State (present all step):      weights P*4/S (LoRA: frozen base P*w, adapters *4); AdamW 2*P_t*4/S
 Gradients (backward on):       P_t*4/S; + DDP bucket copy P_t*4 when DDP (world > 1, no FSDP), all step
-                               (resident from the 3rd step: DDP rebuilds its buckets in the 2nd)
+                               (resident from the 3rd step: DDP rebuilds its buckets in the 2nd; a run of
+                               Setup.steps <= 2 is planned without them)
 Saved activations, per token and layer, of an HF Llama-style layer (counted with saved-tensor hooks in
 the tests):  A = 2*(4h + 4 + 2ch) [two RMSNorms: fp32 input, rsqrt, normed, out] + c*(3q + 2kv) [q, k
 after RoPE, v, attention out, o_proj input] + 4nh [lse] + 4cI [gate, up, act, product]; Qwen3's q/k
@@ -27,8 +28,9 @@ Activation checkpointing (per decoder layer): n*N*h*c checkpoints + one layer's 
 recomputed in the backward (in fp32 its first norm's input IS the checkpoint: N*h*4 less); without it n*N*A.
 Loss: cross-entropy over C tokens at a time: 12*C*V (fp32 log-probs + their gradient + the logits
 gradient, the backward peak; bf16 logits are cast to fp32 first). Without chunking C = N.
-Backward temporaries of one layer: the MLP's 2cNI + 2cNh (gradients of product/act/up, residual stream),
-or, once the MLP's own saved 4cNI are freed, the attention's dQ fp32 4Nq + block dQ and dout copy 2cNq
+Backward temporaries of one layer: the MLP's 2cNI + 2cNh (gradients of product/act/up, less the saved product
+down_proj's backward freed; residual stream; LoRA with a frozen down_proj saves no product: 3cNI + 2cNh),
+or, once the MLP's own saved 4cNI (LoRA: 3cNI) are freed, the attention's dQ fp32 4Nq + block dQ and dout copy 2cNq
 + the communication buffers: whichever is larger.
 Communication buffers: ring: K/V double buffer 2*(2*N*kv*c) + fp32 dK/dV in flight (1 for cp=1, 3 in
 the ring: being sent, being received, accumulating) * 2*N*kv*4. All-gather: full K/V cp*2*N*kv*c twice
@@ -96,7 +98,7 @@ def estimate(s: Setup) -> MemoryEstimate:
         weights = T("weights", "weights", f"P*4/S = {p:,}*4/{S}", p * 4 / S)
     optimizer = T("AdamW moments", "optimizer", f"2*P_t*4/S = 2*{p_t:,}*4/{S}", 2 * p_t * 4 / S)
     state = [weights, optimizer]
-    if s.uses_ddp:
+    if s.ddp_buckets:
         state.append(T("DDP gradient buckets", "grads", f"P_t*4 = {p_t:,}*4", p_t * 4))
     runtime = T("runtime", "runtime", f"{dev.name}: {dev.runtime_gib} GiB", dev.runtime_gib * GIB)
 
@@ -163,12 +165,16 @@ def estimate(s: Setup) -> MemoryEstimate:
 
     # backward of layer j (n-1 first): inputs of layers 0..j, gradients of the layers above, layer j's tensors
     # tiled: one tile recomputed with grad (its 4cTI saved + 2cTI gradients) beside the whole input gradient
-    mlp_tmp = (6 if s.tiled_mlp else 2) * c * t_mlp * i + 2 * r * n * h
+    # untiled: the gradients of the product, act and up (3cNI) beside the saved gate, up and act; the product is
+    # freed by then where down_proj saved it (a frozen down_proj under LoRA saves no input: nothing freed)
+    product_saved = not s.lora or "down_proj" in s.lora_targets
+    k_mlp = 6 if s.tiled_mlp else (2 if product_saved else 3)
+    mlp_tmp = k_mlp * c * t_mlp * i + 2 * r * n * h
     mlp_formula = (f"6cTI + 2{rs}Nh = 6*{c}*{t_mlp:,}*{i:,} + 2*{r}*{n:,}*{h}" if s.tiled_mlp
-                   else f"2cNI + 2{rs}Nh = 2*{n:,}*({c}*{i} + {r}*{h})")
+                   else f"{k_mlp}cNI + 2{rs}Nh = {n:,}*({k_mlp}*{c}*{i} + 2*{r}*{h})")
     comm, comm_formula = _comm_buffers(s)
-    # the MLP's saved part (4cNI) is freed by then (tiled: it was never saved)
-    freed = 0 if s.tiled_mlp else 4 * c * n * i
+    # the MLP's saved part (4cNI; 3cNI without the product) is freed by then (tiled: it was never saved)
+    freed = 0 if s.tiled_mlp else (4 if product_saved else 3) * c * n * i
     attn_tmp = 4 * n * q + 2 * c * n * q - freed
     if sh.indexer is not None:  # selected keys: one bool mask tile and the additive mask a kernel builds from it
         attn_tmp += MASK_ELEMENTS * (1 + c)

@@ -43,6 +43,8 @@ class Setup:
     fsdp: bool | None = None  # None: the trainer's choice (FSDP2 for full fine-tuning on GPU)
     ddp: bool | None = None  # None: DDP when several ranks and no FSDP. Under a launcher Accelerate wraps even
     #                          a single process in DDP (its gradient buckets included), so CPU runs pass True.
+    steps: int | None = None  # optimizer steps of the run (None: a long run). DDP rebuilds its gradient buckets in
+    #                           the 2nd step, so they are resident at the peak from the 3rd step on only
     offload: bool = False  # train.offload_checkpoints: layer checkpoints in (pinned) host memory, fetched one layer
     #                        ahead of the recompute (GPUs; on a CPU the host is the device and nothing moves)
     tiled_mlp: bool = False  # train.tiled_mlp: the MLP over token tiles with recompute (longdoc.hf.tiled_mlp)
@@ -95,6 +97,11 @@ class Setup:
         if self.ddp is not None:
             return self.ddp and not self.uses_fsdp
         return self.world > 1 and not self.uses_fsdp
+
+    @property
+    def ddp_buckets(self) -> bool:
+        """DDP's flat gradient buckets (P_t*4) are resident at the peak: DDP, and a run of 3 steps or more."""
+        return self.uses_ddp and (self.steps is None or self.steps >= 3)
 
     @property
     def padded_len(self) -> int:

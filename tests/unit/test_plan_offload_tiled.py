@@ -154,12 +154,13 @@ def test_planner_within_5_percent_of_the_measured_reduced_depth_runs():
 
 def test_135m_longest_under_4_gib_at_full_depth():
     """Issue 28's CPU acceptance, from the planner checked above: SmolLM2-135M full fine-tuning in bf16 autocast
-    under 4 GiB per process, at least 2.5x the 21.5k tokens of cp=2 before the features, and cp=4 1.8x cp=2."""
+    under 4 GiB per process, at least 2.5x the 20.5k tokens of cp=2 before the features (21.5k with the 0.45 GiB
+    runtime first assumed), and cp=4 1.8x cp=2."""
     base = dict(model="SmolLM2-135M", seq_len=1 << 20, gpu="cpu", memory_gib=4, precision="bf16", checkpointing=True)
     before = longest_fitting(PlanRequest(**base, gpus=2, cp=2, fsdp=False, tiled_mlp=False, loss_chunk=1024))
     cp2 = longest_fitting(PlanRequest(**base, gpus=2, cp=2))
     cp4 = longest_fitting(PlanRequest(**base, gpus=4, cp=4))
-    assert before == 21504 and cp2 >= 2.5 * 21504 and cp4 >= 1.8 * cp2, (before, cp2, cp4)
+    assert before == 20480 and cp2 >= 2.5 * before and cp4 >= 1.8 * cp2, (before, cp2, cp4)
 
 
 def test_hybrid_and_sparse_models_are_labelled_not_silently_priced_as_llama_layers():
@@ -174,7 +175,7 @@ def test_hybrid_and_sparse_models_are_labelled_not_silently_priced_as_llama_laye
 @pytest.mark.parametrize("kw", [
     dict(model="Llama-3.1-8B", seq_len=1 << 20, gpus=8, gpu="h100", strategy="usp", cp=8),
     dict(model="Llama-3.1-8B", seq_len=400 * 1024, gpus=1, gpu="h100", lora=True),
-    dict(model="SmolLM2-135M", seq_len=55296, gpus=2, cp=2, gpu="cpu", memory_gib=4, precision="bf16"),
+    dict(model="SmolLM2-135M", seq_len=54272, gpus=2, cp=2, gpu="cpu", memory_gib=4, precision="bf16"),
     dict(model="SmolLM2-135M", seq_len=16384, gpus=2, cp=2, gpu="cpu", lora=True, micro_batch=2),
 ])
 def test_the_recommendations_recipe_keys_are_valid_overrides(kw):
@@ -213,13 +214,20 @@ FP32_CELLS = [
     (dict(cp=2, seq_len=16384, fsdp=True, tiled_mlp=True), 1.249),
     (dict(cp=4, seq_len=32768, fsdp=True, tiled_mlp=True), 1.158),
     (dict(cp=1, seq_len=8192, fsdp=True, tiled_mlp=True), 1.421),
+    (dict(cp=1, seq_len=8192, lora=True), 1.065),
+    (dict(cp=1, seq_len=8192, lora=True, tiled_mlp=True), 0.963),
+    (dict(cp=2, seq_len=16384, lora=True), 1.058),
+    (dict(cp=2, seq_len=16384, lora=True, tiled_mlp=True), 0.955),
+    (dict(cp=4, seq_len=32768, lora=True), 1.058),
 ]
 
 
 @pytest.mark.parametrize("kw,measured", FP32_CELLS)
 def test_planner_within_5_percent_of_the_measured_fp32_cells(kw, measured):
     """The loss phase under FSDP holds the last layer's all-gather output (prefetched for its backward at the loss's
-    first backward op) through every loss chunk: without it FSDP + tiled MLP was 5.7-6.0% under at cp=2 and 4."""
+    first backward op) through every loss chunk: without it FSDP + tiled MLP was 5.7-6.0% under at cp=2 and 4.
+    A 2-step run holds no DDP gradient buckets at its peak (DDP rebuilds them in the 2nd step); LoRA's frozen
+    down_proj saves no MLP product, so the MLP backward holds 3cNI of gradients beside gate, up and act."""
     from longdoc.bench.calibrate import predict, run_shape
     from longdoc.bench.runs import TrainRun
 
@@ -229,3 +237,4 @@ def test_planner_within_5_percent_of_the_measured_fp32_cells(kw, measured):
     prefetch = [t.bytes for t in est.phases["loss"] if "prefetch" in t.label]
     # fully_shard on CPU gathers the fp32 weights: one layer's P_l*4
     assert prefetch == ([run_shape(run).params.layer * 4] if run.fsdp else [])
+    assert not any(t.label == "DDP gradient buckets" for t in est.terms)  # 2 steps: not resident yet
