@@ -188,11 +188,8 @@ def performance() -> str:
     return "\n".join(parts)
 
 
-def longest_matrix() -> str:
-    """The newest published `longdoc bench longest` matrix (docs/bench/longest-matrix-*.json beside its .png, or the
-    longest section of a published suite run), or a line saying none is published yet."""
-    from longdoc.bench import longest
-
+def _newest_matrix() -> tuple[Path, dict, Path] | None:
+    """(file, matrix, plot) of the newest published `longdoc bench longest` matrix, or None."""
     found = []
     for path, data in _bench_files():
         section = (data.get("sections") or {}).get("longest") or {}
@@ -200,10 +197,19 @@ def longest_matrix() -> str:
             found.append((data["started"], path, data, path.with_suffix(".png")))
         elif section.get("kind") == "longest-matrix":
             found.append((section["started"], path, section, path.parent / "longest_matrix.png"))
-    if not found:
+    return max(found, key=lambda f: f[0])[1:] if found else None
+
+
+def longest_matrix() -> str:
+    """The newest published `longdoc bench longest` matrix (docs/bench/longest-matrix-*.json beside its .png, or the
+    longest section of a published suite run), or a line saying none is published yet."""
+    from longdoc.bench import longest
+
+    newest = _newest_matrix()
+    if newest is None:
         return ("Not measured yet: no `longdoc bench longest` result is published in docs/bench (the matrix is "
                 "published as `longest-matrix-DATE.json` with its `.png`).")
-    _, path, data, png = max(found, key=lambda f: f[0])
+    path, data, png = newest
     parts = [f"From docs/bench/{path.name}:", "", longest.to_markdown(data)]
     if png.is_file():
         parts += ["", f"![longest sequence per memory feature](bench/{png.name})"]
@@ -288,6 +294,17 @@ def headline(performance_page: str = "performance.md") -> str:
     if longest.get("rows"):
         lines.append(f"- longest training sequence under a {longest['cap_gib']} GiB per-process cap: "
                      + ", ".join(f"{r['measured_longest']:,} tokens at cp={r['cp']}" for r in longest["rows"]))
+    newest = _newest_matrix()
+    if newest is not None:
+        from longdoc.bench import longest as matrix
+
+        data = newest[1]
+        measured = [r for r in data["cells"] if r["status"] == "measured"]
+        worst = max((abs(r["planner"]["error"]) for r in measured), default=0.0)
+        lines.append(f"- longest training sequence under {data['config']['cap_gib']:g} GiB per process "
+                     f"({data['config']['precision']}; the planner at full depth, checked within {worst:.1%} against "
+                     f"{len(measured)} measured reduced-depth runs, {newest[0].name}): "
+                     + "; ".join(x.removeprefix("- ") for x in matrix.summary(data)))
     kinds = sec.get("kinds")
     if kinds and kinds.get("rows"):
         c = kinds["config"]

@@ -170,7 +170,8 @@ def planner_longest(run: TrainRun, cap_gib: float, step: int = STEP, ceiling: in
 def planner_part(run: TrainRun, cap_gib: float) -> dict:
     """The planner's side of a cell: the probe run's predicted peak, and the longest under the cap at full depth."""
     est = predict(run)
-    full = dataclasses.replace(run, layers=None)
+    # a training run, not the probe's 2 steps: from the third step on DDP's rebuilt gradient buckets are resident
+    full = dataclasses.replace(run, layers=None, steps=max(run.steps, 3))
     return {"probe_gib": est.total_gib, "peak_phase": est.peak_phase, "full_layers": run_shape(full).layers,
             "longest_full_depth": planner_longest(full, cap_gib), "notes": est.notes}
 
