@@ -23,7 +23,8 @@ import torch
 from longdoc.corpus.ingest import Skips, read_documents
 from longdoc.eval import data, metrics, plots, report, runner
 from longdoc.eval.prompts import Prompter
-from longdoc.eval.scoring import answer_score
+from longdoc.eval.scoring import AnswerScore, answer_score, score_logits
+from longdoc.hf.branches import Branches
 from longdoc.hf.session import KVSession
 from longdoc.parallel.api import ContextParallel
 
@@ -56,8 +57,10 @@ def _progress(total: int, cp: ContextParallel, desc: str):
 
 def evaluate(model: torch.nn.Module, tokenizer: Any, records: Sequence[dict[str, Any]], cp: ContextParallel, *,
              max_new_tokens: int = 64, strategy: str = "ring", chat: bool | None = None,
-             progress: bool = True) -> list[dict[str, Any]]:
-    """Per-question rows (identical on every rank). All ranks call this with the same records."""
+             progress: bool = True, batch: int = 16) -> list[dict[str, Any]]:
+    """Per-question rows (identical on every rank). All ranks call this with the same records. Up to `batch`
+    questions of a document are decoded together over its one prefill (longdoc.hf.branches; 1, or a model
+    whose layers cannot branch, decodes them one at a time): the same answers up to rounding."""
     prompter = Prompter(tokenizer, chat=chat)
     stops = prompter.stop_ids()
     device = next(model.parameters()).device
@@ -73,34 +76,72 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, records: Sequence[dict[str,
         prefix = torch.tensor([ids], device=device)
         with KVSession(model, cp, strategy=strategy) as session:
             session.prefill(prefix)
-            start = session.mark()
-            for qa in rec["qa"]:
-                suffix = torch.tensor([prompter.suffix(qa["question"])], device=device)
-                logits = session.extend(suffix)[:, -1]
-                asked = session.mark()
-                gen = session.greedy(logits, max_new_tokens, eos_token_id=stops)
-                session.rollback(asked)
-                answer = str(qa["answer"])
-                score = answer_score(session, logits, torch.tensor(prompter.answer(answer), device=device))
-                session.rollback(start)
-                golds = [answer, *[str(a) for a in qa.get("aliases") or []]]
-                prediction = prompter.decode_answer(gen.tokens[0].tolist())
-                rows.append({
-                    "doc_id": rec["id"], "qa_id": qa.get("id"), "domain": rec.get("domain", "-"),
-                    "kind": qa.get("kind", "-"), "template": qa.get("template"), "depth": qa.get("depth"),
-                    "doc_tokens": rec.get("num_tokens"), "prompt_tokens": prefix.shape[1] + suffix.shape[1],
-                    "question": qa["question"], "answer": answer, "aliases": golds[1:], "prediction": prediction,
-                    "em": metrics.exact_match(prediction, golds), "f1": metrics.token_f1(prediction, golds),
-                    "contains": metrics.contains_answer(prediction, golds),
-                    "nll": score.nll, "answer_tokens": score.tokens, "nll_per_token": score.mean_nll,
-                    "tf_em": float(score.argmax_match),
-                })
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(f1=f"{metrics.mean(r['f1'] for r in rows):.3f}")
+            together = batch > 1 and session.branch_problem() is None
+            step = batch if together else max(len(rec["qa"]), 1)
+            for start in range(0, len(rec["qa"]), step):
+                qas = rec["qa"][start:start + step]
+                answered = (_answer_together if together else _answer_in_turn)(session, prompter, qas,
+                                                                                max_new_tokens, stops)
+                for qa, (tokens, score, asked) in zip(qas, answered):
+                    rows.append(_row(rec, qa, prompter.decode_answer(tokens), score, prefix.shape[1] + asked))
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(f1=f"{metrics.mean(r['f1'] for r in rows):.3f}")
     if bar is not None:
         bar.close()
     return rows
+
+
+def _answer_in_turn(session: KVSession, prompter: Prompter, qas: Sequence[dict[str, Any]], max_new_tokens: int,
+                    stops: list[int]) -> list[tuple[list[int], AnswerScore, int]]:
+    """(generated ids, answer score, question tokens) per question, one question at a time over the prefill."""
+    device = next(session.model.parameters()).device
+    start, out = session.mark(), []
+    for qa in qas:
+        suffix = torch.tensor([prompter.suffix(qa["question"])], device=device)
+        logits = session.extend(suffix)[:, -1]
+        asked = session.mark()
+        gen = session.greedy(logits, max_new_tokens, eos_token_id=stops)
+        session.rollback(asked)
+        score = answer_score(session, logits, torch.tensor(prompter.answer(str(qa["answer"])), device=device))
+        session.rollback(start)
+        out.append((gen.tokens[0].tolist(), score, suffix.shape[1]))
+    return out
+
+
+def _answer_together(session: KVSession, prompter: Prompter, qas: Sequence[dict[str, Any]], max_new_tokens: int,
+                     stops: list[int]) -> list[tuple[list[int], AnswerScore, int]]:
+    """What _answer_in_turn returns, every question decoded as one row of a batch over the one prefill
+    (longdoc.hf.branches): one forward per generated token for all of them instead of one per question."""
+    suffixes = [prompter.suffix(qa["question"]) for qa in qas]
+    answers = [prompter.answer(str(qa["answer"])) for qa in qas]
+    if not all(answers):
+        raise ValueError("the answer is empty after tokenization; cannot score it")
+    with Branches(session, len(qas)) as branches:
+        logits = branches.extend(suffixes)  # (rows, vocab) after each question
+        asked = branches.mark()
+        scored = branches.extend([a[:-1] for a in answers], keep_all=True)
+        scores = [score_logits(torch.cat([logits[r:r + 1], s]), torch.tensor(a, device=logits.device))
+                  for r, (s, a) in enumerate(zip(scored, answers))]
+        branches.rollback(asked)
+        generated = branches.greedy(logits, max_new_tokens, eos_token_id=stops)
+    return [(g, sc, len(q)) for g, sc, q in zip(generated, scores, suffixes)]
+
+
+def _row(rec: dict[str, Any], qa: dict[str, Any], prediction: str, score: AnswerScore, prompt_tokens: int
+         ) -> dict[str, Any]:
+    answer = str(qa["answer"])
+    golds = [answer, *[str(a) for a in qa.get("aliases") or []]]
+    return {
+        "doc_id": rec["id"], "qa_id": qa.get("id"), "domain": rec.get("domain", "-"),
+        "kind": qa.get("kind", "-"), "template": qa.get("template"), "depth": qa.get("depth"),
+        "doc_tokens": rec.get("num_tokens"), "prompt_tokens": prompt_tokens,
+        "question": qa["question"], "answer": answer, "aliases": golds[1:], "prediction": prediction,
+        "em": metrics.exact_match(prediction, golds), "f1": metrics.token_f1(prediction, golds),
+        "contains": metrics.contains_answer(prediction, golds),
+        "nll": score.nll, "answer_tokens": score.tokens, "nll_per_token": score.mean_nll,
+        "tf_em": float(score.argmax_match),
+    }
 
 
 def _length(row: dict[str, Any]) -> str:
@@ -170,7 +211,7 @@ def task(model: torch.nn.Module, tokenizer: Any, cp: ContextParallel, cfg: dict[
     records = [r for path in cfg["data"]
                for r in read_records(path, cfg.get("limit_docs"), cfg.get("limit_questions"), skips)]
     rows = evaluate(model, tokenizer, records, cp, max_new_tokens=cfg.get("max_new_tokens", 64),
-                    strategy=cfg.get("strategy", "ring"), chat=cfg.get("chat"))
+                    strategy=cfg.get("strategy", "ring"), chat=cfg.get("chat"), batch=cfg.get("qa_batch", 16))
     result = {"task": "qa", "data": [str(p) for p in cfg["data"]], "documents": len(records),
               "summary": summarize(rows), "rows": rows}
     if skips is not None:

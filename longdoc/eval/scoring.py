@@ -7,7 +7,8 @@
 
 Scoring extends the cached prompt by the answer (minus its last token) in one forward: each answer
 token's log-probability comes from the logits before it, so the prompt is computed once and shared
-with greedy generation and with the other questions about the same document.
+with greedy generation and with the other questions about the same document (`score_logits` scores the
+logits of several questions' answers computed as one batch, longdoc.hf.branches).
 """
 
 from __future__ import annotations
@@ -41,8 +42,12 @@ def answer_score(session: KVSession, logits: torch.Tensor, answer_ids: torch.Ten
     steps = [logits.reshape(1, 1, -1).float()]
     if n > 1:
         steps.append(session.extend(answer[:, :-1], keep=n - 1))
-    all_logits = torch.cat(steps, dim=1)[0]  # (n, vocab): row i predicts answer token i
-    logp = torch.log_softmax(all_logits.double(), dim=-1).gather(-1, answer[0].unsqueeze(-1)).squeeze(-1)
-    hits = all_logits.argmax(dim=-1) == answer[0]
-    return AnswerScore(nll=float(-logp.sum()), tokens=n, argmax_match=bool(hits.all()),
+    return score_logits(torch.cat(steps, dim=1)[0], answer[0])
+
+
+def score_logits(logits: torch.Tensor, answer: torch.Tensor) -> AnswerScore:
+    """The score of `answer` (n,) from `logits` (n, vocab), row i the logits that predict answer token i."""
+    logp = torch.log_softmax(logits.double(), dim=-1).gather(-1, answer.unsqueeze(-1)).squeeze(-1)
+    hits = logits.argmax(dim=-1) == answer
+    return AnswerScore(nll=float(-logp.sum()), tokens=int(answer.numel()), argmax_match=bool(hits.all()),
                        argmax_tokens=int(hits.sum()))

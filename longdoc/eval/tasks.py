@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import importlib
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -34,12 +35,12 @@ def single(cp, device, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def suite(cp, device, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Job: every task of cfg["suite_tasks"] on every (name, model, overrides) of cfg["suite_models"]."""
+    """Job: the tasks of each (name, model, overrides, tasks) of cfg["suite_models"]."""
     out: dict[str, Any] = {}
-    for name, model_name, overrides in cfg["suite_models"]:
+    for name, model_name, overrides, wanted in cfg["suite_models"]:
         model, tokenizer = runner.load_model(model_name, cfg, device)
         out[name] = {}
-        for t in cfg["suite_tasks"]:
+        for t in wanted:
             started = time.time()
             task_cfg = {**cfg, **overrides.get(t, {}), "model": model_name, "task": t}
             for key in ("suite_models", "suite_tasks"):
@@ -67,17 +68,38 @@ def run_and_report(name: str, cfg: dict[str, Any], run_dir: str | Path | None = 
 def run_suite(models: list[tuple[str, str]], names: list[str], cfg: dict[str, Any], out: Path,
               overrides: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Path]] | None:
     """Run tasks `names` on each (label, model) and write out/<label>/<task>/ run folders; returns
-    label -> task -> folder where the folders were written, None on other ranks."""
+    label -> task -> folder where the folders were written, None on other ranks. A (model, task) whose result
+    is in the content cache (longdoc.eval.cache) is not run again; a model with every task cached starts no
+    ranks."""
+    from longdoc.eval import cache
+    from longdoc.launch import launched_world
+
     overrides = overrides or {}
     for t in names:
         module(t).check({**cfg, **overrides.get(t, {})})
-    job_cfg = {**cfg, "suite_tasks": list(names), "suite_models": [(n, m, overrides) for n, m in models]}
-    results = runner.run(suite, job_cfg)
-    if results is None:
-        return None
+    use_cache = cfg.get("cache", True) and launched_world().world_size == 1  # the parent decides for every rank
+    folder = Path(cfg.get("cache_dir") or cache.default_dir())
+    keys = {(label, t): cache.key(m, {**cfg, **overrides.get(t, {}), "task": t}) if use_cache else None
+            for label, m in models for t in names}
+    results: dict[str, dict[str, Any]] = {label: {} for label, _ in models}
+    for (label, t), k in keys.items():
+        hit = cache.load(folder, k)
+        if hit is not None:
+            results[label][t] = hit
+            print(f"{label}: {t} results reused from the cache ({folder / k}.json)", file=sys.stderr, flush=True)
+    todo = [(n, m, overrides, [t for t in names if t not in results[n]]) for n, m in models]
+    todo = [entry for entry in todo if entry[3]]
+    if todo:
+        ran = runner.run(suite, {**cfg, "suite_tasks": list(names), "suite_models": todo})
+        if ran is None:
+            return None
+        for label, per_task in ran.items():
+            for t, result in per_task.items():
+                results[label][t] = result
+                cache.store(folder, keys[(label, t)], result)
     folders: dict[str, dict[str, Path]] = {}
     for label, per_task in results.items():
-        for t, result in per_task.items():
-            folder = out / (re.sub(r"[^A-Za-z0-9._-]+", "-", label).strip("-.") or "model") / t
-            folders.setdefault(label, {})[t] = module(t).write_report(folder, result)
+        for t in names:
+            path = out / (re.sub(r"[^A-Za-z0-9._-]+", "-", label).strip("-.") or "model") / t
+            folders.setdefault(label, {})[t] = module(t).write_report(path, per_task[t])
     return folders

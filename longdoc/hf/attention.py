@@ -9,7 +9,8 @@ One attention function, one per-call checker, dispatched by the handle's mode:
   "train"            a patched model's forward (training, evaluation prefill): exact CP attention
                      over the sharded sequence (`longdoc.parallel.api.attention`);
   "prefill"/"extend" inside a `KVSession` (longdoc.hf.session): the prompt's CP prefill, then new
-                     tokens over every rank's cache shard (`longdoc.hf.decode.extend_attention`).
+                     tokens over every rank's cache shard (`longdoc.hf.decode.extend_attention`), or
+  "branch"           several rows continuing one prompt (`longdoc.hf.branches.branch_attention`).
 Every layer's attention pattern goes to the CP core, read per call (`layer_pattern`): its sliding
 window (the `sliding_window` argument or the module's attribute), Llama 4's chunked attention (the
 layer's type in config.layer_types and config.attention_chunk_size: the call carries no chunk
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from longdoc.hf import decode, mask_probe
+from longdoc.hf import branches, decode, mask_probe
 from longdoc.hf.kinds import temperature
 from longdoc.hf.modelinfo import model_name, positive_int, refuse
 from longdoc.parallel.api import ContextParallel, attention
@@ -62,6 +63,7 @@ class Session:
     key_positions: torch.Tensor | None = None
     # the same for every rank of the group (identical on all ranks): where each rank's cached DSA index keys go
     rank_positions: list[torch.Tensor] | None = None
+    branch: branches.BranchState | None = None  # while several rows continue the prompt (longdoc.hf.branches)
 
 
 class CPHandle:
@@ -153,11 +155,9 @@ def check_all_layers(handle: CPHandle, n_layers: int) -> None:
     """After a forward: every attention layer went through NAME (else the result is not exact); n_layers counts
     the layers with attention (longdoc.hf.kinds.attention_layers)."""
     if handle.attention_calls < n_layers:
-        raise RuntimeError(
-            f"longdoc.patch: only {handle.attention_calls} of {n_layers} layers of {handle.model_name} ran their "
-            f"attention through the CP path; the model does not dispatch attention through transformers' "
-            f"AttentionInterface everywhere, so its outputs are NOT context-parallel-exact"
-        )
+        raise RuntimeError(f"longdoc.patch: only {handle.attention_calls} of {n_layers} layers of {handle.model_name} "
+                           f"ran their attention through the CP path; the model does not send attention through "
+                           f"transformers' AttentionInterface everywhere, its outputs are NOT context-parallel-exact")
 
 
 # ---- the per-call checker and the attention function ----
@@ -183,12 +183,9 @@ class LayerPattern:
 
 
 def _layer_type(handle: CPHandle, module) -> str | None:
-    text = handle.config.get_text_config() if handle.config is not None else None
-    types = getattr(text, "layer_types", None)
+    types = getattr(handle.config.get_text_config() if handle.config is not None else None, "layer_types", None)
     idx = getattr(module, "layer_idx", None)
-    if not types or idx is None or not 0 <= idx < len(types):
-        return None
-    return types[idx]
+    return types[idx] if types and idx is not None and 0 <= idx < len(types) else None
 
 
 def layer_pattern(handle: CPHandle, module, kwargs: dict) -> LayerPattern | tuple[str, str]:
@@ -250,7 +247,7 @@ def _problem(handle: CPHandle, module, query, key, attention_mask, dropout, is_c
         return (f"a custom {len(shape)}-D attention mask {shape}",
                 "pass a 2-D padding attention_mask (or none) and let cp.shard_batch build the batch; for packed "
                 "documents pass position_ids restarting at 0 per document (DataCollatorWithFlattening's format)")
-    if mode != "extend" and key.shape[2] != query.shape[2]:
+    if mode not in ("extend", "branch") and key.shape[2] != query.shape[2]:
         return (f"attention over a KV cache or other keys ({key.shape[2]} keys for {query.shape[2]} queries)",
                 "call the model with use_cache=False and no past cache; to decode, use "
                 "longdoc.hf.generate(model, cp, input_ids, max_new_tokens)")
@@ -326,6 +323,9 @@ def cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
     elif session.mode == "prefill":
         out = attention(query, key, value, session.cp, causal=True, scale=scaling, strategy=session.strategy,
                         selected=selected, **pattern.kwargs())
+    elif session.branch is not None:
+        out = branches.branch_attention(query, key, value, session.branch, module.layer_idx, session.cp, scaling,
+                                        pattern, selected)
     else:
         out = decode.extend_attention(query, key, value, session.cp, scaling, session.appending,
                                       pattern=pattern, start=session.total - query.shape[2],

@@ -115,6 +115,7 @@ class ShardedCache(DynamicCache):
             Cache.__init__(self, layers=layers)  # DynamicCache builds its own layers from a config only
         self.append = True
         self.index_keys: dict[int, torch.Tensor] = {}
+        self.branch = None  # longdoc.hf.branches.BranchState while branches decode: new K/V go there
 
     @property
     def recurrent(self) -> bool:
@@ -136,6 +137,9 @@ class ShardedCache(DynamicCache):
                 layer.has_previous_state.update(previous)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self.branch is not None:  # the rows' own K/V beside the shared prompt's, which stays as it is
+            self.branch.append(layer_idx, key_states, value_states)
+            return self.layers[layer_idx].keys, self.layers[layer_idx].values
         if self.append:
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         while len(self.layers) <= layer_idx:

@@ -111,11 +111,30 @@ class KVSession:
         self._handle.attention_calls = 0
         self._handle.kind_calls = {}
         with torch.no_grad():
-            out = self.hf(input_ids=ids, position_ids=positions.unsqueeze(0).expand(ids.shape[0], -1),
-                          cache=self.cache, use_cache=True, logits_to_keep=logits_to_keep)
+            if positions.dim() == 1:  # the same positions for every row; (batch, len) ones are per row (branches)
+                positions = positions.unsqueeze(0).expand(ids.shape[0], -1)
+            out = self.hf(input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True,
+                          logits_to_keep=logits_to_keep)
         backend.check_all_layers(self._handle, self.n_attention)
         kinds.check_calls(self._handle, kinds.expected_calls(self.hf))
         return out.logits.float()
+
+    def branch_problem(self) -> str | None:
+        """Why this model cannot decode several rows over one prompt (longdoc.hf.branches), None when it can:
+        a layer kind beyond plain attention, or a pattern that depends on more than token order."""
+        found = sorted({k.name for _, _, k in kinds.find(self.hf)})
+        if found:
+            return f"{', '.join(found)} layers"
+        text = self.hf.config.get_text_config() if hasattr(self.hf.config, "get_text_config") else self.hf.config
+        if set(getattr(text, "layer_types", None) or ()) - {"full_attention"} or (
+                getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)):
+            return "sliding-window or other non-full attention layers"
+        for key in ("attention_chunk_size", "attn_logit_softcapping"):
+            if getattr(text, key, None):
+                return key
+        if any("sinks" in name for name, _ in self.hf.named_parameters()):
+            return "attention sinks"
+        return None
 
     # ---- prefill / extend ----
 

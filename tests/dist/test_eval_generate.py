@@ -104,6 +104,7 @@ def _worker(rank: int, world: int) -> dict:
     out["repatched"] = (longdoc.hf.is_patched(model), model.config._attn_implementation)
     out.update(_sampling_and_model_generate(rank, world, cp))
     out.update(_eval_pipeline(cp))
+    out.update(_branches(cp))
 
     # Ranks that disagree (a bug in the caller) all get the same clear error instead of hanging.
     with KVSession(tiny_model("llama").eval(), cp) as session:
@@ -196,6 +197,57 @@ def _eval_pipeline(cp) -> dict:
     return out
 
 
+BRANCH_QUESTIONS, BRANCH_ANSWERS = (23, 9, 1, 15, 4), (7, 1, 3, 12, 2)
+
+
+def _branches(cp) -> dict:
+    """Questions of different lengths about one prefilled document, decoded as one batch (longdoc.hf.branches),
+    against single-process sdpa runs of each question on its own: greedy tokens up to each row's EOS (rows leave
+    the batch there), their logits, and the answers' teacher-forced NLL; on two GQA models. A sliding-window model
+    is refused by name before any compute."""
+    from longdoc.eval.scoring import score_logits
+    from longdoc.hf.branches import Branches
+    from longdoc.hf.session import KVSession
+    from longdoc.models import tiny_model
+
+    out = {}
+    for arch in ("llama", "qwen3"):
+        model = tiny_model(arch, seed=9).eval()
+        doc = _ids(300, 1, 700)
+        qs = [_ids(310 + j, 1, n) for j, n in enumerate(BRANCH_QUESTIONS)]
+        answers = [_ids(320 + j, 1, n)[0] for j, n in enumerate(BRANCH_ANSWERS)]
+        refs = [reference_greedy(model, torch.cat([doc, q], 1), 10) for q in qs]
+        nll_refs = [reference_nll(model, torch.cat([doc, q], 1), a[None])[0] for q, a in zip(qs, answers)]
+        eos = int(refs[0][0][0, 2])  # row 0 stops at its third token; the others where this token first appears
+        with KVSession(model, cp) as session:
+            session.prefill(doc)
+            with Branches(session, len(qs)) as br:
+                last = br.extend([q[0].tolist() for q in qs])
+                asked = br.mark()
+                scored = br.extend([a[:-1].tolist() for a in answers], keep_all=True)
+                nlls = [score_logits(torch.cat([last[r:r + 1], sc]), a).nll
+                        for r, (sc, a) in enumerate(zip(scored, answers))]
+                br.rollback(asked)
+                first = (last - torch.stack([r[1][0, 0] for r in refs])).abs().max()
+                tokens = br.greedy(last, 10, eos_token_id=eos)
+            # the session is its plain self again: one more question the one-row way
+            tail = session.extend(qs[1])[:, -1]
+        expected = []
+        for ref_tokens, _ in refs:
+            row = ref_tokens[0].tolist()
+            expected.append(row[:row.index(eos) + 1] if eos in row else row)
+        out[f"branches-{arch}"] = dict(tokens=tokens, expected=expected, nll=nlls, ref_nll=nll_refs,
+                                       logits_err=float(first), tail_err=float((tail - refs[1][1][0, 0]).abs().max()))
+    with KVSession(tiny_model("gemma2", seed=1).eval(), cp) as session:
+        session.prefill(_ids(5, 1, 64))
+        try:
+            Branches(session, 2)
+            out["branches-refused"] = "no error"
+        except ValueError as e:
+            out["branches-refused"] = str(e)
+    return out
+
+
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
     return run_ranks(2, _worker, deadline=400, pg_timeout=120)
@@ -226,6 +278,22 @@ def test_qa_pipeline_matches_single_process(results):
         assert [r[0] for r in res["qa_rows"]] == [r[0] for r in res["qa_ref"]]
         for (_, nll), (_, ref) in zip(res["qa_rows"], res["qa_ref"]):
             assert abs(nll - ref) < NLL_TOL
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_branches_decode_every_question_as_alone(results, arch):
+    for rank, res in enumerate(results):
+        r = res[f"branches-{arch}"]
+        assert r["tokens"] == r["expected"], f"rank {rank}: {r['tokens']} != {r['expected']}"
+        assert [len(t) for t in r["tokens"]][0] == 3, "row 0 must stop at its EOS"
+        assert max(abs(a - b) for a, b in zip(r["nll"], r["ref_nll"])) < NLL_TOL, (r["nll"], r["ref_nll"])
+        assert r["logits_err"] < LOGITS_TOL and r["tail_err"] < LOGITS_TOL, (r["logits_err"], r["tail_err"])
+    assert results[0][f"branches-{arch}"]["tokens"] == results[1][f"branches-{arch}"]["tokens"]
+
+
+def test_branches_refuse_a_sliding_window_model_by_name(results):
+    for res in results:
+        assert "sliding-window" in res["branches-refused"] and "one row at a time" in res["branches-refused"]
 
 
 def test_position_loss_matches_single_process(results):
