@@ -43,16 +43,20 @@ def write_mix_inputs(root: Path, docs: int = 4, seed: int = 0) -> dict[str, str]
     return {"qa": str(qa), "text": str(text), "rehearsal": str(reh)}
 
 
-def mix_recipe(paths: dict[str, str], out, kl: float = 0.5, document: float = 0.3) -> dict:
+def mix_recipe(paths: dict[str, str], out, kl: float = 0.5, document: float = 0.3,
+               context_positions: int | None = None) -> dict:
     """A tiny-model LoRA recipe over every source kind: QA rows with document loss and KL, packed plain text
     with its own loss weight and KL, packed rehearsal; embeddings (tied with lm_head) and norms trained beside
-    the adapters."""
+    the adapters. context_positions: set on the QA and the text source (their document loss / KL drawn)."""
     from tests.training import tiny_recipe
 
     mix = [{"source": "qa", "path": paths["qa"], "weight": 2, "document_loss_weight": document, "kl_weight": kl},
            {"source": "text", "path": paths["text"], "weight": 1, "pack": True, "loss_weight": 0.5,
             "kl_weight": kl / 2},
            {"source": "rehearsal", "path": paths["rehearsal"], "weight": 1, "pack": True}]
+    if context_positions is not None:
+        for src in mix[:2]:
+            src["context_positions"] = context_positions
     return tiny_recipe(out, model={"name": "tiny:llama", "overrides": {"tie_word_embeddings": True}},
                        lora={"enabled": True, "r": 4, "train_embeddings": True, "train_norms": True},
                        data={"path": "", "seq_len": 256, "mix": mix},

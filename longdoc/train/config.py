@@ -102,6 +102,8 @@ class MixSource:
     loss_weight: float = 1.0  # loss weight of the source's own targets: answers (qa) or every token
     document_loss_weight: float = 0.0  # qa: loss weight of the document tokens of each row (0: answers only)
     kl_weight: float = 0.0  # KL toward the frozen base (LoRA) on the context tokens: qa documents, else every token
+    # document loss and KL at only n of a row's N context positions, drawn per (seed, source, row, optimizer step)
+    context_positions: Tokens | None = None  # and weighted x N/n: unbiased, sum(w) kept (train.weights); null: all N
     pack: bool = False  # documents/text/rehearsal: pack short documents into rows of data.seq_len
     text_field: str | None = None  # documents/text: the text field (null picks text/document/content)
     questions_per_row: int | None = None  # qa: as data.questions_per_row
@@ -122,6 +124,9 @@ class MixSource:
                "applies to qa sources only (documents/text sources already train on every token)")
         _check(self.source != "qa" or not self.pack, "data.mix.pack", "applies to documents/text/rehearsal "
                "sources (a QA row already holds one document and its questions)")
+        n, sampled = self.context_positions, self.document_loss_weight + self.kl_weight
+        _check(n is None or (n > 0 and sampled > 0), "data.mix.context_positions", f"must be null (every context "
+               f"token) or a positive count on a source with document_loss_weight or kl_weight > 0, got {n}")
         _check(self.loss_weight + self.document_loss_weight + self.kl_weight > 0, "data.mix.loss_weight",
                "this source would contribute nothing: give it a loss_weight, document_loss_weight or kl_weight")
         _check(self.max_sequences is None or self.max_sequences > 0, "data.mix.max_sequences", "must be positive")

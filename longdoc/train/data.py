@@ -16,31 +16,14 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from longdoc.train.config import DataConfig, RecipeError
+from longdoc.train.weights import TokenWeights, draw_context, shard_target_weights  # noqa: F401 - re-exported
 
 IGNORE = -100
-
-
-@dataclass(frozen=True)
-class TokenWeights:
-    """How a source's tokens count (a `data.mix` source; the defaults are plain training rows).
-
-    loss: weight of the row's own targets (answers of QA rows, every token of LM rows); document: weight of
-    the document tokens of QA rows (`doc_span`), which then become targets too; kl: weight of KL(base ||
-    tuned) on the context tokens (QA rows: the document; LM rows: every target)."""
-
-    loss: float = 1.0
-    document: float = 0.0
-    kl: float = 0.0
-
-    @property
-    def plain(self) -> bool:
-        return self == TokenWeights()
 
 
 class Sequences:
@@ -48,11 +31,14 @@ class Sequences:
     (memory-mapped Arrow: a corpus of 128k-token rows is not copied into every rank's Python heap).
 
     `weights` (TokenWeights) turn a source's rows into weighted ones: `targets(i)` then gives per-token loss
-    and KL weights beside the labels, aligned with them (weight[t] counts the prediction of token t)."""
+    and KL weights beside the labels, aligned with them (weight[t] counts the prediction of token t).
+    `draw_key` (the recipe seed and the source's place in a mix) keys the context positions drawn per row
+    and step (weights.context_positions)."""
 
-    def __init__(self, ds, source: str, weights: TokenWeights | None = None):
+    def __init__(self, ds, source: str, weights: TokenWeights | None = None, draw_key: tuple[int, ...] = ()):
         self.has_positions = "position_ids" in ds.column_names
         self.weights = weights or TokenWeights()
+        self.draw_key = tuple(draw_key)
         self.has_doc_span = "doc_span" in ds.column_names
         if (self.weights.document or self.weights.kl) and not self.has_doc_span and _is_qa(ds):
             raise RecipeError(f"data.mix: {source} holds QA rows without doc_span (prepared by an older longdoc), "
@@ -82,21 +68,40 @@ class Sequences:
             labels[a:b] = ids[a:b]
         return ids, labels
 
-    def targets(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(labels, loss weights, KL weights) of row i, each (len,), aligned with the unshifted labels."""
+    def targets(self, i: int, step: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(labels, loss weights, KL weights) of row i, each (len,), aligned with the unshifted labels.
+
+        With `step` (the optimizer step) and weights.context_positions, the document loss and the KL count at
+        the context positions drawn for (draw_key, i, step) only, scaled up to stand for the rest
+        (`draw_context`); the others get label IGNORE (document loss) and weights 0. The row's own targets
+        always count. Without `step` (the step's denominators, validation): every context token."""
         r = self.ds[int(i)]
         ids, own = r["input_ids"].long(), r["labels"].long()
         labels = own.clone()
         w = torch.where(own != IGNORE, self.weights.loss, 0.0).double()
         kl = torch.zeros_like(w)
+        context = torch.zeros_like(own, dtype=torch.bool)
         if self.has_doc_span:  # QA rows: the context tokens are the document
             a, b = (int(x) for x in r["doc_span"])
+            context[a:b] = True
             if self.weights.document:
                 labels[a:b] = ids[a:b]
                 w[a:b] = self.weights.document
             kl[a:b] = self.weights.kl
         elif self.weights.kl:
-            kl = torch.where(own != IGNORE, self.weights.kl, 0.0).double()
+            context = own != IGNORE
+            kl = torch.where(context, self.weights.kl, 0.0).double()
+        if step is not None and self.weights.context_positions:
+            # the positions step_denominators counts: never the first token, nor a packed document's first
+            context[0] = False
+            pos = self.position_ids(i)
+            if pos is not None:
+                context[1:] &= pos[1:] != 0
+            factor = draw_context(context, self.weights.context_positions, (*self.draw_key, int(i), int(step)))
+            kl = kl * factor
+            if self.has_doc_span and self.weights.document:
+                w = w * factor
+                labels[factor == 0] = IGNORE  # the head never sees an undrawn document token
         return labels, w, kl
 
     def position_ids(self, i: int) -> torch.Tensor | None:
@@ -324,7 +329,8 @@ def loss_tokens(seqs: Sequences, indices: Sequence[int]) -> int:
 
 def step_denominators(seqs, indices: Sequence[int]) -> tuple[float, int]:
     """(sum of the loss weights, number of KL tokens) over the targets of these rows: the denominators of
-    the step's loss (longdoc.train.loss.LossModel). Unweighted rows: (loss_tokens, 0)."""
+    the step's loss (longdoc.train.loss.LossModel). Unweighted rows: (loss_tokens, 0). Every context token
+    counts, also where a source draws a few (context_positions): its drawn weights stand for the rest."""
     if not seqs.weighted:
         return float(loss_tokens(seqs, indices)), 0
     total, n_kl = 0.0, 0
@@ -342,9 +348,11 @@ def num_tokens(seqs: Sequences, indices: Sequence[int]) -> int:
     return sum(int(seqs.row(i)[0].numel()) for i in indices)
 
 
-def collate(seqs: Sequences, indices: Sequence[int], pad_id: int) -> dict[str, torch.Tensor]:
+def collate(seqs: Sequences, indices: Sequence[int], pad_id: int, step: int | None = None) -> dict[str, torch.Tensor]:
     """Full (unsharded) micro-batch: right-padded input_ids and unshifted labels, (batch, max_len); with
-    packed rows also position_ids restarting at 0 per document (the padding is one more document)."""
+    packed rows also position_ids restarting at 0 per document (the padding is one more document). `step`:
+    the optimizer step, which draws the context positions of sources with context_positions (Sequences.targets)
+    before cp.shard_batch, so every CP rank and every cp size sees the same; none: every context token."""
     rows = [seqs.row(i) for i in indices]
     positions = [seqs.position_ids(i) for i in indices]
     length = max(x.numel() for x, _ in rows)
@@ -358,7 +366,7 @@ def collate(seqs: Sequences, indices: Sequence[int], pad_id: int) -> dict[str, t
         batch["loss_weights"] = torch.zeros((len(rows), length), dtype=torch.float64)
         batch["kl_weights"] = torch.zeros((len(rows), length), dtype=torch.float64)
         for r, i in enumerate(indices):
-            y, w, kl = seqs.targets(i)
+            y, w, kl = seqs.targets(i, step)
             labels[r, :y.numel()] = y
             batch["loss_weights"][r, :w.numel()] = w
             batch["kl_weights"][r, :kl.numel()] = kl
@@ -370,18 +378,3 @@ def collate(seqs: Sequences, indices: Sequence[int], pad_id: int) -> dict[str, t
             pos[r, n:] = torch.arange(length - n)
         batch["position_ids"] = pos
     return batch
-
-
-def shard_target_weights(batch: dict[str, torch.Tensor], weights: torch.Tensor, cp) -> torch.Tensor:
-    """(batch, local_len) float: per-token `weights` of a full collated batch (aligned with its unshifted
-    labels) shifted as cp.shard_batch shifts the labels and laid out as its tokens, so weight[t] goes with
-    shift_labels[t]; 0 on the internal padding and at a packed document's last token (it predicts nothing)."""
-    from longdoc.parallel.batch import source_index
-
-    shifted = torch.zeros_like(weights)
-    shifted[:, :-1] = weights[:, 1:]
-    if "position_ids" in batch:
-        shifted[:, :-1].masked_fill_(batch["position_ids"][:, 1:] == 0, 0.0)
-    index = source_index({k: batch[k] for k in ("input_ids", "position_ids") if k in batch}, cp)
-    local = shifted.gather(1, index.clamp_min(0))
-    return local.masked_fill(index < 0, 0.0)

@@ -351,7 +351,7 @@ def _forward_backward(acc, world: World, loss_model, params, seqs, schedule: Ste
     aux_weight = router.coefficient(base_causal_lm(acc.unwrap_model(loss_model).model)) / forwards
     local_tokens = 0
     for m, idx in enumerate(micro):
-        full = collate(seqs, idx, pad_id)
+        full = collate(seqs, idx, pad_id, step)
         weights, kl = full.pop("loss_weights", None), full.pop("kl_weights", None)
         local = world.cp.shard_batch(full, pad_token_id=pad_id)
         local_tokens = int(local["input_ids"].numel())

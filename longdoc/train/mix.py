@@ -51,9 +51,9 @@ class MixedSequences:
         p, j = self.locate(i)
         return p.row(j)
 
-    def targets(self, i: int):
+    def targets(self, i: int, step: int | None = None):
         p, j = self.locate(i)
-        return p.targets(j)
+        return p.targets(j, step)
 
     def position_ids(self, i: int):
         p, j = self.locate(i)
@@ -151,8 +151,9 @@ def load_mix(data: DataConfig, tokenizer, vocab_size: int, seed: int, main_first
                                   rows_needed=need)
         except RecipeError as e:
             raise RecipeError(f"data.mix[{i}] ({src.source}): {e}") from None
-        weights = TokenWeights(loss=src.loss_weight, document=src.document_loss_weight, kl=src.kl_weight)
-        parts.append(Sequences(seqs.ds, seqs.source, weights))
+        weights = TokenWeights(loss=src.loss_weight, document=src.document_loss_weight, kl=src.kl_weight,
+                               context_positions=src.context_positions)
+        parts.append(Sequences(seqs.ds, seqs.source, weights, draw_key=(seed, i)))
         parts[-1].scan(vocab_size)
         names.append(src.source)
     return MixedSequences(parts, names)

@@ -1,6 +1,7 @@
 """Training mixes under CP and DP: every loss term a mix adds (document-token loss weights on QA rows, a
 per-source loss weight, KL toward the frozen base on the documents, packed replay text) takes the same step
-at cp=2 and at dp=2 as in one process; and a mix resumes exactly.
+at cp=2 and at dp=2 as in one process, also with the document loss and KL at drawn context positions
+(context_positions: drawn on the full row before sharding); and a mix resumes exactly.
 
 Steps after the first are compared at identical parameters: the CP and DP runs are pinned to the one-process run's
 parameters after each step (tests/training.py: train_pinned), so their step-k gradients differ from one process's
@@ -31,15 +32,15 @@ def _compare(ref, runs, label, ref_grads):
             assert gn == pytest.approx(gn0, rel=1e-5), (label, s, gn, gn0)
 
 
-def test_mix_cp2_and_dp2_equal_single_process(tmp_path):
-    paths = write_mix_inputs(tmp_path / "data")
-    ref, ref_grads, pin = ranks(1, train_pinned, mix_recipe(paths, tmp_path / "one"), [], deadline=400)[0]
-    cp2 = ranks(2, train_pinned, mix_recipe(paths, tmp_path / "cp2"), ["cp_size=2"], pin, deadline=400)
-    dp2 = ranks(2, train_pinned, mix_recipe(paths, tmp_path / "dp2"), [], pin, deadline=400)
-    _compare(ref, cp2, "cp2", ref_grads)
-    _compare(ref, dp2, "dp2", ref_grads)
+def _equal_to_one_process(tmp_path, paths, layouts: dict[str, list[str]], **kw) -> list:
+    """Each layout's run (name -> overrides) takes the one-process run's steps and ends at its weights; returns
+    the one-process history."""
+    ref, ref_grads, pin = ranks(1, train_pinned, mix_recipe(paths, tmp_path / "one", **kw), [], deadline=400)[0]
+    for name, overrides in layouts.items():
+        run = ranks(2, train_pinned, mix_recipe(paths, tmp_path / name, **kw), overrides, pin, deadline=400)
+        _compare(ref, run, name, ref_grads)
     w_ref = load_file(tmp_path / "one" / "final" / "model.safetensors")
-    for name in ("cp2", "dp2"):
+    for name in layouts:
         w = load_file(tmp_path / name / "final" / "model.safetensors")
         errs = {k: max_rel_err({k: w[k]}, {k: w_ref[k]}) for k in w_ref}
         print(name, sorted(errs.items(), key=lambda kv: -kv[1])[:3])
@@ -48,10 +49,26 @@ def test_mix_cp2_and_dp2_equal_single_process(tmp_path):
         # gradients above are compared at 1e-5)
         assert max(e for k, e in errs.items() if "embed_tokens" not in k) <= 1e-5, (name, errs)
         assert errs["model.embed_tokens.weight"] <= 1e-3, (name, errs)
+    return ref
+
+
+def test_mix_cp2_and_dp2_equal_single_process(tmp_path):
+    paths = write_mix_inputs(tmp_path / "data")
+    ref = _equal_to_one_process(tmp_path, paths, {"cp2": ["cp_size=2"], "dp2": []})
     # the KL term is in those losses: without it the same run logs another loss once the adapters moved
     no_kl, _ = ranks(1, train_on_ranks, mix_recipe(paths, tmp_path / "nokl", kl=0.0), [], deadline=400)[0]
     assert no_kl[0][1] == pytest.approx(ref[0][1], rel=1e-6)  # step 1: tuned == base, KL is 0
     assert abs(no_kl[2][1] - ref[2][1]) > 1e-4, (no_kl, ref)
+
+
+def test_mix_context_positions_cp2_equals_single_process(tmp_path):
+    """context_positions=8 on the QA source (document loss and KL) and the packed text source (KL): every CP rank
+    draws the same positions from the full row, so cp=2 takes the one-process steps, sampling included."""
+    paths = write_mix_inputs(tmp_path / "data")
+    ref = _equal_to_one_process(tmp_path, paths, {"cp2": ["cp_size=2"]}, context_positions=8)
+    # the draw is in those steps: every context token gives another loss from step 1 on (where the KL is still 0)
+    every, _ = ranks(1, train_on_ranks, mix_recipe(paths, tmp_path / "every"), [], deadline=400)[0]
+    assert abs(every[0][1] - ref[0][1]) > 1e-3, (every, ref)
 
 
 def test_mix_resumes_exactly(tmp_path):

@@ -1,8 +1,11 @@
 """Training mixes in one process: the weighted loss and the KL term equal their formulas computed from the full
 logits, the token weights follow cp.shard_batch's layout on every rank, the mix order is deterministic with the
-configured shares, and recipes refuse what a mix cannot do."""
+configured shares, drawn context positions (context_positions) keep the step's totals and estimate the full terms
+without bias, and recipes refuse what a mix cannot do."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -11,7 +14,7 @@ import torch.nn.functional as F
 import longdoc
 from longdoc.train import recipe_from_dict
 from longdoc.train.config import RecipeError
-from longdoc.train.data import IGNORE, collate, shard_target_weights, step_denominators
+from longdoc.train.data import IGNORE, collate, draw_context, shard_target_weights, step_denominators
 from longdoc.train.loss import LossModel
 from longdoc.train.mix import MixSchedule, load_mix
 from longdoc.train.modeling import build
@@ -36,13 +39,17 @@ def _perturb(model):
                 p.add_(0.05 * torch.randn(p.shape, generator=g))
 
 
-def test_weighted_loss_and_kl_equal_the_formula(tmp_path):
-    recipe, model, tok, seqs = _mixed(tmp_path)
+@pytest.mark.parametrize("context_positions", [None, 8])
+def test_weighted_loss_and_kl_equal_the_formula(tmp_path, context_positions):
+    """With context_positions the formula is taken over the drawn targets of one step, over the step's full
+    denominators (every context token)."""
+    recipe, model, tok, seqs = _mixed(tmp_path, context_positions=context_positions)
     _perturb(model)
     model.eval()
+    step = None if context_positions is None else 3
     qa, text = 0, seqs.offsets[1]  # a QA row (document weights, KL) and a packed text row
     idx = [qa, qa + 1, text]
-    batch = collate(seqs, idx, tok.pad_token_id)
+    batch = collate(seqs, idx, tok.pad_token_id, step)
     w, kl = batch.pop("loss_weights"), batch.pop("kl_weights")
     n_w, n_kl = step_denominators(seqs, idx)
     cp = longdoc.ContextParallel()
@@ -58,7 +65,7 @@ def test_weighted_loss_and_kl_equal_the_formula(tmp_path):
     longdoc.hf.unpatch(model)
     ce_sum, kl_sum, w_sum, kl_count = 0.0, 0.0, 0.0, 0
     for i in idx:
-        labels, wr, klr = seqs.targets(i)
+        labels, wr, klr = seqs.targets(i, step)
         ids = seqs.row(i)[0]
         pos = seqs.position_ids(i)
         starts = [0] + ([int(j) for j in torch.nonzero(pos == 0).flatten() if j > 0] if pos is not None else [])
@@ -76,11 +83,90 @@ def test_weighted_loss_and_kl_equal_the_formula(tmp_path):
                           reduction="none").sum(-1)
             kl_sum += float((kt * kk).sum())
             kl_count += int((kk > 0).sum())
-    want = ce_sum / w_sum + kl_sum / kl_count
-    assert (w_sum, kl_count) == (pytest.approx(n_w, rel=1e-12), n_kl)
+    want = ce_sum / n_w + kl_sum / n_kl
+    assert (w_sum, kl_count) == (pytest.approx(n_w, rel=1e-12), n_kl if step is None else 3 * context_positions)
     assert kl_sum / kl_count > 1e-3  # the KL term is really there
     for chunk, got in shares.items():
         assert got == pytest.approx(want, rel=2e-5), (chunk, got, want)
+
+
+def _counted(seqs, i: int, kl: torch.Tensor) -> torch.Tensor:
+    # the context positions the step's KL count holds: KL weight > 0, not the first token nor a packed document's
+    context = kl > 0
+    context[0] = False
+    pos = seqs.position_ids(i)
+    if pos is not None:
+        context[1:] &= pos[1:] != 0
+    return context
+
+
+def test_context_positions_keep_the_totals_and_the_answers(tmp_path):
+    """context_positions=8: the document loss and the KL at 8 drawn context positions per row, each weighted N / 8;
+    the step's sum(w) and sum(k) are kept (to float64 rounding; the denominators still count every context token),
+    the answers and a text row's own targets are untouched, undrawn document tokens are no target at all (label
+    -100: the head never computes them), and the draw is a pure function of (seed, source, row, step)."""
+    recipe, model, tok, seqs = _mixed(tmp_path, context_positions=8)
+    qa, text = 0, seqs.offsets[1]
+    for i in (qa, qa + 1, text):
+        labels, w, kl = seqs.targets(i)  # every context token
+        s_labels, s_w, s_kl = seqs.targets(i, 3)  # optimizer step 3's draw
+        context = _counted(seqs, i, kl)
+        drawn = context & (s_kl > 0)
+        n = int(context.sum())
+        assert n > 8 and int(drawn.sum()) == 8, (i, n)
+        assert torch.equal(s_kl[drawn], kl[drawn] * (n / 8)) and not s_kl[context & ~drawn].any()
+        assert float(s_kl[context].sum()) == pytest.approx(float(kl[context].sum()), rel=1e-12)
+        # everything else, the answers of a QA row included, exactly as without a draw
+        assert torch.equal(s_labels[~context], labels[~context]) and torch.equal(s_w[~context], w[~context])
+        if i == text:  # an LM row: its own targets keep their CE at every token, only the KL is drawn
+            assert torch.equal(s_labels, labels) and torch.equal(s_w, w)
+        else:
+            assert (labels[context] != IGNORE).all() and torch.equal(s_labels[drawn], labels[drawn])
+            assert (s_labels[context & ~drawn] == IGNORE).all() and not s_w[context & ~drawn].any()
+            assert float(s_w[context].sum()) == pytest.approx(float(w[context].sum()), rel=1e-12)
+            assert (s_labels[~context] != IGNORE).sum() > 0  # the answers are there
+        again = seqs.targets(i, 3)
+        assert all(torch.equal(a, b) for a, b in zip(again, (s_labels, s_w, s_kl)))
+        assert not torch.equal(seqs.targets(i, 4)[2] > 0, drawn)  # each step draws anew
+    assert not torch.equal(seqs.targets(qa, 3)[2] > 0, seqs.targets(qa + 1, 3)[2] > 0)  # and each row
+    # through collate and the CP layout: the loss weights sum to the step's denominator, the KL weights to the full
+    # KL weights' sum, at 8 positions per row of the n_kl the step's KL term divides by
+    idx = [qa, qa + 1, text]
+    n_w, n_kl = step_denominators(seqs, idx)
+    cp = longdoc.ContextParallel()
+    full, sampled = collate(seqs, idx, tok.pad_token_id), collate(seqs, idx, tok.pad_token_id, 3)
+    lw = shard_target_weights(sampled, sampled["loss_weights"], cp)
+    lkl = shard_target_weights(sampled, sampled["kl_weights"], cp)
+    assert float(lw.sum()) == pytest.approx(n_w, rel=1e-12)
+    assert float(lkl.sum()) == pytest.approx(float(shard_target_weights(full, full["kl_weights"], cp).sum()), rel=1e-12)
+    assert int((lkl > 0).sum()) == 3 * 8 < n_kl
+
+
+def test_draw_context_is_uniform_and_unbiased():
+    """Over many (row, step) keys every counted position is drawn with probability n / N, so the factor-weighted
+    sum of fixed per-token values averages to their full sum; in every draw the factors sum to N (to float64
+    rounding) and leave the other positions alone; a row with at most n counted positions keeps all of them."""
+    g = torch.Generator().manual_seed(0)
+    counted = torch.rand(64, generator=g) < 0.8
+    counted[0] = False
+    values = torch.rand(64, generator=g, dtype=torch.float64)  # a stand-in for each token's CE or KL
+    total, n, draws = int(counted.sum()), 7, 20_000
+    seen = torch.zeros(64, dtype=torch.float64)
+    estimates = torch.zeros(draws, dtype=torch.float64)
+    for k in range(draws):
+        f = draw_context(counted, n, (5, 1, k // 100, k % 100))  # (seed, source, row, step)
+        assert int((f[counted] > 0).sum()) == n and bool((f[~counted] == 1).all())
+        assert float(f[counted].sum()) == pytest.approx(total, rel=1e-12)
+        seen += (f > 0) & counted
+        estimates[k] = (f * values)[counted].sum()
+    assert torch.equal(draw_context(counted, n, (5, 1, 2, 3)), draw_context(counted, n, (5, 1, 2, 3)))
+    p = n / total
+    assert float((seen[counted] / draws - p).abs().max()) < 5 * math.sqrt(p * (1 - p) / draws)
+    # n of N without replacement: the estimate's standard deviation is N * std(values) * sqrt((1 - n / N) / n)
+    spread = total * float(values[counted].std()) * math.sqrt((1 - p) / n)
+    err = abs(float(estimates.mean()) - float(values[counted].sum()))
+    assert err < 4 * spread / math.sqrt(draws), (err, spread / math.sqrt(draws))
+    assert torch.equal(draw_context(counted, total, (0,)), torch.ones(64, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("size,layout_name", [(2, "zigzag"), (3, "zigzag"), (2, "contiguous")])
@@ -147,6 +233,13 @@ def test_mix_recipe_refusals(tmp_path):
         recipe_from_dict(rec, ["data.mix[1].document_loss_weight=1"])
     with pytest.raises(RecipeError, match="eval.holdout"):
         recipe_from_dict(rec, ["eval.holdout=1"])
+    for bad in ("data.mix[0].context_positions=0", "data.mix[1].context_positions=-4",
+                "data.mix[2].context_positions=16"):  # the rehearsal source has neither a document loss nor KL
+        with pytest.raises(RecipeError, match=r"data\.mix\.context_positions: must be null \(every context token\) "
+                                              r"or a positive count .* got (0|-4|16)$") as e:
+            recipe_from_dict(rec, [bad])
+        assert "\n" not in str(e.value)
+    assert recipe_from_dict(rec, ["data.mix[0].context_positions=1k"]).data.mix[0].context_positions == 1024
     with pytest.raises(RecipeError, match=r"mix has 3 item\(s\), no item \[5\]"):
         recipe_from_dict(rec, ["data.mix[5].weight=1"])
     assert recipe_from_dict(rec, ["data.mix[2].weight=0.25"]).data.mix[2].weight == 0.25
