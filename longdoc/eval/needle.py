@@ -10,6 +10,12 @@ about the case, never about the needle). The needle is one sentence with a fresh
 per cell, placed at the sentence boundary at or before the requested depth; the cell's "length" is
 the document's token count with the needle in it (the prompt adds the instruction and the question).
 A cell is correct when the value appears, as a whole word, in the greedy answer.
+
+Cells whose prompts have exactly the same token count (usually one length's cells with the same question) are
+decoded together, `--needle-batch` rows (default 8) in one KV session: one (rows, len) prefill and one batched
+greedy decode, so each generated token is one forward for all of them instead of one per cell. A group holds at
+most GROUP_TOKENS prompt tokens (rows x length; e.g. 8 rows at 4k, 4 at 8k, 1 at 32k and beyond), which bounds
+the prefill's activations. The answers are those of one cell at a time (`--needle-batch 1`) up to rounding.
 """
 
 from __future__ import annotations
@@ -90,6 +96,57 @@ def _cells(cfg: dict[str, Any]) -> list[tuple[int, int, float, int]]:
             for r in range(cfg.get("repeats", 1))]
 
 
+GROUP_TOKENS = 32768  # prompt tokens (rows x length) in one batched prefill: 8 x 4k; bounds its activations
+DEFAULT_BATCH = 8
+
+
+def groups(sizes: list[int], batch: int = DEFAULT_BATCH) -> list[list[int]]:
+    """Indices of the prompts decoded together, given each prompt's token count: equal counts only (a KV session
+    holds one length), at most `batch` rows and GROUP_TOKENS tokens a group (always at least one row), each group
+    in prompt order, groups in the order of their first prompt."""
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"--needle-batch must be an integer >= 1 (1 = one cell at a time), got {batch!r}")
+    by_size: dict[int, list[int]] = {}
+    for k, n in enumerate(sizes):
+        by_size.setdefault(n, []).append(k)
+    out = []
+    for n, members in by_size.items():
+        rows = max(1, min(batch, GROUP_TOKENS // max(n, 1)))
+        out += [members[s:s + rows] for s in range(0, len(members), rows)]
+    return sorted(out, key=lambda g: g[0])
+
+
+def prompts(model: torch.nn.Module, tokenizer: Any, cfg: dict[str, Any], prompter: Prompter,
+            stacks: list[str]) -> list[dict[str, Any]]:
+    """Every cell's prompt, in grid order, built and checked against the model's context before any compute."""
+    domain, lengths, seed = cfg["domain"], cfg["lengths"], cfg.get("seed", 0)
+    new = cfg.get("max_new_tokens", 32)
+    out = []
+    for j, i, depth, r in _cells(cfg):
+        length = lengths[j]
+        rng = random.Random(f"needle:{domain}:{seed}:{length}:{depth}:{r}")
+        value = str(rng.randrange(10000, 100000))
+        sentence, question = NEEDLES[domain][r % len(NEEDLES[domain])]
+        needle = sentence.format(value=value)
+        doc, actual, n_doc = plant(stacks[r], needle, length, depth, tokenizer)
+        ids = prompter.prefix(doc) + prompter.suffix(question)
+        runner.check_context(model, len(ids) + new, f"the needle prompt for --lengths {length} ({len(ids)} tokens "
+                                                    f"plus {new} new)")
+        out.append({"j": j, "i": i, "depth": depth, "repeat": r, "value": value, "needle": needle,
+                    "question": question, "actual": actual, "doc_tokens": n_doc, "ids": ids})
+    return out
+
+
+def _decode(model: torch.nn.Module, cp: ContextParallel, rows: list[list[int]], cfg: dict[str, Any],
+            stops: list[int]) -> list[list[int]]:
+    """Greedy tokens of equal-length prompts, one KV session: prefill (rows, len), then one batched decode."""
+    device = next(model.parameters()).device
+    ids = torch.tensor(rows, device=device)  # (rows, len)
+    with KVSession(model, cp, strategy=cfg.get("strategy", "ring")) as session:
+        gen = session.greedy(session.prefill(ids), cfg.get("max_new_tokens", 32), eos_token_id=stops)
+    return gen.tokens.tolist()  # a row that stopped early repeats its stop token: decode_answer cuts there
+
+
 def evaluate(model: torch.nn.Module, tokenizer: Any, cp: ContextParallel, cfg: dict[str, Any]) -> dict[str, Any]:
     """The accuracy grid (identical on every rank)."""
     from tqdm.auto import tqdm
@@ -98,35 +155,25 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, cp: ContextParallel, cfg: d
     seed = cfg.get("seed", 0)
     prompter = Prompter(tokenizer, chat=cfg.get("chat"))
     stops = prompter.stop_ids()
-    device = next(model.parameters()).device
     skips = Skips() if cfg.get("haystack") and cfg.get("skip_bad") else None
     own = data.read_texts(cfg["haystack"], skips=skips) if cfg.get("haystack") else None
     stacks = haystacks(domain, max(lengths), repeats, seed, tokenizer, own)
+    todo = prompts(model, tokenizer, cfg, prompter, stacks)
+    tokens: list[list[int] | None] = [None] * len(todo)
+    with tqdm(total=len(todo), desc="needle", unit="cell", disable=cp.rank != 0, dynamic_ncols=True) as bar:
+        for group in groups([len(p["ids"]) for p in todo], cfg.get("needle_batch", DEFAULT_BATCH)):
+            for k, row in zip(group, _decode(model, cp, [todo[k]["ids"] for k in group], cfg, stops)):
+                tokens[k] = row
+            bar.update(len(group))
     hits = [[[] for _ in lengths] for _ in depths]
-    cells, prompts = [], []
-    for j, i, depth, r in _cells(cfg):  # every prompt built and checked before any compute
-        length = lengths[j]
-        rng = random.Random(f"needle:{domain}:{seed}:{length}:{depth}:{r}")
-        value = str(rng.randrange(10000, 100000))
-        sentence, question = NEEDLES[domain][r % len(NEEDLES[domain])]
-        needle = sentence.format(value=value)
-        doc, actual, n_doc = plant(stacks[r], needle, length, depth, tokenizer)
-        ids = prompter.prefix(doc) + prompter.suffix(question)
-        runner.check_context(model, len(ids) + cfg.get("max_new_tokens", 32),
-                             f"the needle prompt for --lengths {length} ({len(ids)} tokens plus "
-                             f"{cfg.get('max_new_tokens', 32)} new)")
-        prompts.append((j, i, depth, r, value, needle, question, actual, n_doc, ids))
-    for j, i, depth, r, value, needle, question, actual, n_doc, ids in tqdm(
-            prompts, desc="needle", unit="cell", disable=cp.rank != 0, dynamic_ncols=True):
-        length = lengths[j]
-        ids = torch.tensor([ids], device=device)
-        with KVSession(model, cp, strategy=cfg.get("strategy", "ring")) as session:
-            gen = session.greedy(session.prefill(ids), cfg.get("max_new_tokens", 32), eos_token_id=stops)
-        prediction = prompter.decode_answer(gen.tokens[0].tolist())
-        correct = metrics.contains_answer(prediction, value)
-        hits[i][j].append(correct)
-        cells.append({"length": length, "depth": depth, "repeat": r, "doc_tokens": n_doc, "actual_depth": actual,
-                      "prompt_tokens": ids.shape[1], "needle": needle, "question": question, "answer": value,
+    cells = []
+    for p, gen in zip(todo, tokens):  # grid order, as decoded one cell at a time
+        prediction = prompter.decode_answer(gen)
+        correct = metrics.contains_answer(prediction, p["value"])
+        hits[p["i"]][p["j"]].append(correct)
+        cells.append({"length": lengths[p["j"]], "depth": p["depth"], "repeat": p["repeat"],
+                      "doc_tokens": p["doc_tokens"], "actual_depth": p["actual"], "prompt_tokens": len(p["ids"]),
+                      "needle": p["needle"], "question": p["question"], "answer": p["value"],
                       "prediction": prediction, "correct": correct})
     accuracy = [[metrics.mean(h) for h in row] for row in hits]
     result = {"task": "needle", "domain": domain, "lengths": list(lengths), "depths": list(depths),
@@ -151,6 +198,7 @@ def check(cfg: dict[str, Any]) -> None:
         raise ValueError(f"--depths must be fractions in [0, 1] (0 = start, 1 = end), got {cfg.get('depths')}")
     if cfg.get("repeats", 1) < 1:
         raise ValueError(f"--repeats must be >= 1, got {cfg['repeats']}")
+    groups([], cfg.get("needle_batch", DEFAULT_BATCH))  # --needle-batch >= 1, before any rank starts
     data.check_inputs(cfg.get("haystack") or [], "--haystack", skips=Skips() if cfg.get("skip_bad") else None)
 
 

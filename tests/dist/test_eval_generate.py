@@ -104,6 +104,7 @@ def _worker(rank: int, world: int) -> dict:
     out["repatched"] = (longdoc.hf.is_patched(model), model.config._attn_implementation)
     out.update(_sampling_and_model_generate(rank, world, cp))
     out.update(_eval_pipeline(cp))
+    out.update(_needle_batches(cp))
     out.update(_branches(cp))
 
     # Ranks that disagree (a bug in the caller) all get the same clear error instead of hanging.
@@ -197,6 +198,25 @@ def _eval_pipeline(cp) -> dict:
     return out
 
 
+def _needle_batches(cp) -> dict:
+    """needle.evaluate with cells of equal prompt length decoded together (--needle-batch 8) against one cell at a
+    time (--needle-batch 1), and the groups it formed: the two question templates differ by a token or two."""
+    from longdoc.eval import needle
+    from longdoc.eval.prompts import Prompter
+    from longdoc.models import load
+
+    model, tok = load("tiny:llama", seed=3)
+    model.eval()
+    cfg = {"domain": "legal", "lengths": [128, 256], "depths": [0.0, 0.5, 1.0], "repeats": 2, "max_new_tokens": 6}
+    stacks = needle.haystacks("legal", 256, 2, 0, tok)
+    todo = needle.prompts(model, tok, cfg, Prompter(tok), stacks)
+    sizes = [len(p["ids"]) for p in todo]
+    batched = needle.evaluate(model, tok, cp, {**cfg, "needle_batch": 8})
+    alone = needle.evaluate(model, tok, cp, {**cfg, "needle_batch": 1})
+    return {"needle": dict(batched=batched, alone=alone, sizes=sizes, lengths=[p["j"] for p in todo],
+                           groups=needle.groups(sizes, 8))}
+
+
 BRANCH_QUESTIONS, BRANCH_ANSWERS = (23, 9, 1, 15, 4), (7, 1, 3, 12, 2)
 
 
@@ -278,6 +298,21 @@ def test_qa_pipeline_matches_single_process(results):
         assert [r[0] for r in res["qa_rows"]] == [r[0] for r in res["qa_ref"]]
         for (_, nll), (_, ref) in zip(res["qa_rows"], res["qa_ref"]):
             assert abs(nll - ref) < NLL_TOL
+
+
+def test_needle_cells_decoded_together_equal_one_at_a_time(results):
+    for res in results:
+        r = res["needle"]
+        assert r["batched"] == r["alone"], "--needle-batch 8 changed the needle results"
+        assert len(r["batched"]["cells"]) == 12 and any(c["prediction"] for c in r["batched"]["cells"])
+        groups = r["groups"]
+        assert max(len(g) for g in groups) > 1, f"no group decoded several cells: {groups}"
+        assert sorted(k for g in groups for k in g) == list(range(12))
+        for g in groups:
+            assert len({r["sizes"][k] for k in g}) == 1, f"a group mixes prompt lengths: {g} {r['sizes']}"
+        split = [(a, b) for a in groups for b in groups if a is not b and r["lengths"][a[0]] == r["lengths"][b[0]]]
+        assert split, f"no --lengths value had cells of different prompt lengths in separate groups: {r['sizes']}"
+    assert results[0]["needle"]["batched"] == results[1]["needle"]["batched"]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

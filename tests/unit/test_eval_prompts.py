@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from longdoc.corpus.qa_format import qa_parts
-from longdoc.eval.needle import plant
+from longdoc.eval.needle import GROUP_TOKENS, groups, plant
 from longdoc.eval.prompts import INSTRUCTION, Prompter
 from longdoc.models import load_tokenizer
 
@@ -74,3 +74,27 @@ def test_plant_puts_the_needle_at_depth(tok, depth):
         assert doc.endswith(needle)
     with pytest.raises(ValueError, match="cannot fit"):
         plant(hay[:200], needle, 600, depth, tok)
+
+
+def test_needle_groups_hold_equal_lengths_in_order_and_capped():
+    sizes = [219, 217, 219, 217, 219, 347, 219]
+    assert groups(sizes, 8) == [[0, 2, 4, 6], [1, 3], [5]]
+    assert groups(sizes, 2) == [[0, 2], [1, 3], [4, 6], [5]]
+    assert groups(sizes, 1) == [[k] for k in range(len(sizes))]  # one cell at a time
+    # rows x length <= GROUP_TOKENS, one row always
+    assert groups([8192] * 6, 8) == [[0, 1, 2, 3], [4, 5]] and GROUP_TOKENS // 8192 == 4
+    assert groups([GROUP_TOKENS + 1] * 2, 8) == [[0], [1]]
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="--needle-batch must be an integer >= 1"):
+            groups(sizes, bad)
+
+
+def test_needle_batch_option():
+    from longdoc.cli import build_parser
+
+    p = build_parser()
+    assert p.parse_args(["eval", "needle"]).needle_batch == 8
+    assert p.parse_args(["eval", "needle", "--needle-batch", "1"]).needle_batch == 1
+    assert p.parse_args(["eval", "compare", "a", "b", "--needle-batch", "3"]).needle_batch == 3
+    with pytest.raises(SystemExit):
+        p.parse_args(["eval", "needle", "--needle-batch", "0"])
