@@ -37,9 +37,9 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_BUG = 0, 1, 2, 3
 EXIT_CODES = (
     f"exit status: {EXIT_OK} success; {EXIT_FAIL} the run's own negative verdict (verify: FAIL, CP does not match "
-    f"one process; train: stopped on a non-finite loss); {EXIT_USAGE} bad input, one line on stderr `longdoc VERB: "
-    f"error: MESSAGE` (the same with --cp N as without); {EXIT_BUG} an internal error (a bug: its traceback "
-    f"follows, please report it)"
+    f"one process; train: stopped on a non-finite loss; eval guard: HARM); {EXIT_USAGE} bad input, one line on "
+    f"stderr `longdoc VERB: error: MESSAGE` (the same with --cp N as without); {EXIT_BUG} an internal error (a bug: "
+    f"its traceback follows, please report it)"
 )
 
 

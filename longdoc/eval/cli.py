@@ -1,4 +1,4 @@
-"""`longdoc eval qa | needle | position-loss | chat-loss | ruler | compare`: long-document evaluation under CP.
+"""`longdoc eval qa | needle | position-loss | chat-loss | ruler | compare | guard`: long-document evaluation under CP.
 
     longdoc eval qa --model SmolLM2-135M-Instruct --data legal.jsonl medical.jsonl --cp 2
     longdoc eval needle --model runs/demo/final --domain legal --lengths 1024,2048,4096 --cp 2
@@ -10,6 +10,7 @@
     longdoc eval compare runs/eval/qa-base runs/eval/qa-tuned           # two run folders, or two models:
     longdoc eval compare SmolLM2-135M-Instruct runs/demo/final --names base tuned --data qa.jsonl --cp 2
     longdoc eval compare SmolLM2-135M-Instruct runs/demo/final --tasks ruler --lengths 2k,4k,8k --cp 2
+    longdoc eval guard SmolLM2-135M-Instruct runs/demo/final --text heldout_docs/ --cp 2   # did tuning harm it?
 
 --data / --haystack read every format `longdoc data prepare` reads (jsonl/json/parquet/csv, .txt/.md/.pdf/
 .docx/.html files and folders of them, hub ids). A prompt longer than the model's context is refused before
@@ -22,6 +23,11 @@ end, as `longdoc data prepare --skip-bad` does; without it the first one stops t
 Each run writes one folder (default runs/eval/<task>-<model>-<time>) with results.json, summary.md
 and PNGs, and prints its headline numbers (QA: EM, F1, answer NLL; needle: mean accuracy; position-loss:
 mean loss, first and last bucket; ruler: the average over tasks, per length) and the folder's path.
+
+`guard` is the no-harm check before shipping a tuned model (longdoc.eval.guard): BASE and TUNED on your own
+held-out plain text (needle grid planted in it, plain-text loss by position, optionally a short RULER-style
+subset), paired 95% bootstrap intervals of tuned minus base, and one verdict line; exit 0 NO HARM, 1 HARM,
+2 bad input.
 """
 
 from __future__ import annotations
@@ -40,6 +46,12 @@ def _floats(text: str) -> list[float]:
         return [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
 
 
 def _common(p: argparse.ArgumentParser, model: bool = True) -> None:
@@ -75,6 +87,9 @@ def _qa_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--limit-questions", type=int, default=None, help="first N questions per document")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="use the chat template (default: when the tokenizer has one)")
+    p.add_argument("--qa-batch", type=_positive, default=16,
+                   help="qa: questions of one document decoded together over its one prefill; 1 decodes them one "
+                        "at a time (same answers up to rounding) (default: %(default)s)")
 
 
 def _skip_bad(p: argparse.ArgumentParser, what: str) -> None:
@@ -95,6 +110,10 @@ def _needle_args(p: argparse.ArgumentParser) -> None:
                         ".docx/.html files and folders of them, jsonl/json/parquet/csv); default: generated --domain "
                         "documents")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--needle-batch", type=_positive, default=8,
+                   help="needle: cells whose prompts have the same token count decoded together, one prefill and one "
+                        "greedy decode, at most this many rows and 32k prompt tokens a group; 1 decodes one cell at "
+                        "a time (same answers up to rounding) (default: %(default)s)")
 
 
 def _ruler_args(p: argparse.ArgumentParser, alone: bool) -> None:
@@ -131,8 +150,47 @@ def _position_args(p: argparse.ArgumentParser) -> None:
                         "files or a folder of them (default: generated --domain documents)")
 
 
+def _guard_args(p: argparse.ArgumentParser) -> None:
+    from longdoc.eval import harm
+
+    p.add_argument("base", help="the base model (name, folder, .gguf, hub id, tiny:<arch>), or a run folder of an "
+                                "earlier guard (its base/ is reused, not evaluated again)")
+    p.add_argument("tuned", help="the fine-tuned model (or a run folder)")
+    p.add_argument("--text", required=True, metavar="FILE|FOLDER",
+                   help="your held-out plain text: .txt/.md/.pdf/.docx/.html files or a folder of them (any input "
+                        "`longdoc data prepare` reads); never trained on")
+    p.add_argument("--lengths", type=cliargs.lengths, default=[1024, 2048],
+                   help="1 to 3 needle context lengths; the plain-text windows have the longest (default: 1k,2k)")
+    p.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0],
+                   help="needle depths in [0, 1] (default: 0,0.25,0.5,0.75,1)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="needles per cell (default: enough for 20 paired cells; 2 with the default grid)")
+    p.add_argument("--seed", type=int, default=0, help="needle values and RULER samples (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=cliargs.length, default=32,
+                   help="needle answer length cap (default: %(default)s)")
+    p.add_argument("--needle-batch", type=_positive, default=8,
+                   help="needle cells with prompts of one token count decoded together (as `eval needle`; 1: one at a "
+                        "time) (default: %(default)s)")
+    p.add_argument("--windows", type=int, default=16,
+                   help="plain-text loss: at most this many windows of the longest length (default: %(default)s)")
+    p.add_argument("--buckets", type=int, default=16, help="plain-text loss: position buckets (default: %(default)s)")
+    p.add_argument("--ruler-samples", type=int, default=None, metavar="N",
+                   help="also run a short RULER-style subset, N samples per task and length (lengths >= 1k; "
+                        "default: off)")
+    p.add_argument("--ruler-tasks", default="all", help="with --ruler-samples: a comma-separated subset (default: all)")
+    p.add_argument("--needle-tolerance", type=float, default=harm.NEEDLE_TOLERANCE,
+                   help="needle and ruler: HARM when the accuracy delta's upper bound < 0 and the drop exceeds this "
+                        "(absolute; default: %(default)s)")
+    p.add_argument("--loss-tolerance", type=float, default=harm.LOSS_TOLERANCE,
+                   help="plain-text loss: HARM when the relative increase's lower bound exceeds this (default: "
+                        "%(default)s = 2%%)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="use the chat template for the needle questions (default: when the tokenizer has one)")
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    ev = subparsers.add_parser("eval", help="evaluate long-context use: QA, needle, loss by position, RULER, compare",
+    ev = subparsers.add_parser("eval", help="evaluate long-context use: QA, needle, loss by position, RULER, compare, "
+                                            "guard",
                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ev.add_subparsers(dest="eval_cmd", metavar="COMMAND", required=True)
 
@@ -200,7 +258,32 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     _ruler_args(p, alone=False)
     _skip_bad(p, "what cannot be used, one flag for both inputs: bad --data records and questions (qa, as `eval qa "
                  "--skip-bad`) and --haystack files longdoc cannot read (needle, ruler; e.g. an image in the folder)")
+    cache_args(p)
     p.set_defaults(func=_run_compare, task="compare")
+
+    from longdoc.eval.harm import RULE
+
+    p = sub.add_parser("guard", help="no-harm check before shipping: base vs tuned on your own held-out text; exit 1 "
+                                     "on HARM",
+                       description="Did fine-tuning harm the base model's retrieval and plain-text behaviour on your "
+                                   "own held-out text? Both models run the needle grid planted in --text and the "
+                                   "plain-text loss by position (optionally a short RULER-style subset) in one start "
+                                   f"of the CP ranks; tuned minus base is paired item by item. {RULE}. Exit status: "
+                                   "0 NO HARM, 1 HARM, 2 bad input (one line on stderr). Writes results.json, "
+                                   "summary.md, guard.png and base/, tuned/ run folders in --out.")
+    _guard_args(p)
+    _common(p, model=False)
+    _skip_bad(p, "--text files longdoc cannot read (an image, a scanned PDF without text, an empty document)")
+    cache_args(p)
+    p.set_defaults(func=_run_guard, task="guard")
+
+
+def cache_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the results of a (model, task) evaluated before with the same model files, inputs, "
+                        "settings and versions (keyed by content; --no-cache evaluates again) (default: on)")
+    p.add_argument("--cache-dir", default=None,
+                   help="where cached results live (default: ~/.cache/longdoc/eval, or $XDG_CACHE_HOME/longdoc/eval)")
 
 
 def config(args: argparse.Namespace) -> dict[str, Any]:
@@ -267,3 +350,9 @@ def _run_compare(args: argparse.Namespace) -> int:
     if path is not None:
         print(f"report: {path}")
     return 0
+
+
+def _run_guard(args: argparse.Namespace) -> int:
+    from longdoc.eval import guard
+
+    return guard.main(config(args))

@@ -151,3 +151,32 @@ def compare_ruler_figure(a: dict[str, Any], b: dict[str, Any], names: tuple[str,
     ruler_figure(b, title=names[1], ax=axes[1])
     fig.colorbar(im, ax=axes, label="score", fraction=0.04)
     return fig
+
+
+def guard_figure(data: dict[str, Any], title: str = "No-harm check"):
+    """`eval guard`: needle accuracy by length, loss by position and (when run) the RULER-style average by length,
+    base and tuned in each panel. `data` is the guard's results.json "plot" entry."""
+    names = data["names"]
+    panels = ["needle", "position"] + (["ruler"] if data.get("ruler") else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), layout="constrained")
+    for ax, panel in zip(axes, panels):
+        d = data[panel]
+        xs = d["centers"] if panel == "position" else list(range(len(d["lengths"])))
+        for side, name, color in (("a", names[0], _A), ("b", names[1], _B)):
+            pts = [(x, y) for x, y in zip(xs, d[side]) if y is not None]
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", markersize=4, label=name, color=color,
+                    linestyle="-" if side == "a" else "--")
+        if panel == "position":
+            ax.set_xlabel("Token position")
+            ax.set_ylabel("Mean token loss (nats)")
+            ax.set_title("Plain-text loss by position", fontsize=10)
+        else:
+            ax.set_xticks(xs, [_length_label(n) for n in d["lengths"]])
+            ax.set_xlabel("Context length (tokens)")
+            ax.set_ylabel("accuracy" if panel == "needle" else "score (average over tasks)")
+            ax.set_ylim(-0.03, 1.03)
+            ax.set_title("Needle accuracy by length" if panel == "needle" else "RULER-style average", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=11)
+    return fig

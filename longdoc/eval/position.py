@@ -8,16 +8,25 @@ to --length tokens (default: the shortest document's length; shorter ones are sk
 bucket averages the same documents) and run in
 one CP forward; each rank takes the cross-entropy of the tokens it holds (from the decoder's hidden states, a
 chunk of tokens at a time: no rank ever holds its (local tokens x vocab) logits) and adds it to the bucket of
-the predicted token's position, and one all-reduce of (buckets x 2) numbers sums the ranks.
+the predicted token's position, and one all-reduce of (documents x buckets x 2) numbers sums the ranks. Every
+document's own bucket losses are kept too (`per_document`, keyed by a hash of its tokens), so two models' runs
+over the same text pair document by document (`longdoc eval guard`).
+
+With cfg["pack"] (set by `eval guard`, whose held-out text is often many short files) the documents are instead
+joined in turn, a blank line between them, as the needle's --haystack joins them, and cut into at most
+cfg["windows"] consecutive windows of --length tokens: short documents count too, and no window is skipped.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from longdoc.corpus.ingest import Skips
 from longdoc.eval import data, plots, report, runner
 from longdoc.parallel import comm
 from longdoc.parallel.api import ContextParallel
@@ -27,9 +36,41 @@ def _texts(cfg: dict[str, Any], tokenizer: Any) -> list[str]:
     if cfg.get("texts"):  # programmatic use: the documents themselves
         return list(cfg["texts"])
     if cfg.get("pl_data"):
-        return data.read_texts(cfg["pl_data"], cfg.get("limit_docs"))
+        # Packed (eval guard): what --skip-bad leaves out the guard names; the needle reads the same files.
+        skips = Skips() if cfg.get("pack") and cfg.get("skip_bad") else None
+        return data.read_texts(cfg["pl_data"], cfg.get("limit_docs"), skips=skips)
     return data.synth_documents(cfg.get("domain", "legal"), int(cfg["length"] * 1.05) + 16, cfg.get("num_docs", 4),
                                 cfg.get("seed", 0), tokenizer)
+
+
+def pack(texts: list[str], length: int, windows: int, tokenizer: Any) -> list[list[int]]:
+    """At most `windows` windows of `length` token ids cut in turn from `texts` joined by blank lines, each led by
+    the tokenizer's BOS when it adds one (as a document tokenized alone is)."""
+    probe = tokenizer("a", add_special_tokens=True, verbose=False)["input_ids"]
+    head = probe[:1] if tokenizer.bos_token_id is not None and probe[:1] == [tokenizer.bos_token_id] else []
+    sep = tokenizer("\n\n", add_special_tokens=False, verbose=False)["input_ids"]
+    body, stream = length - len(head), list[int]()
+    for text in texts:
+        if len(stream) >= windows * body:
+            break  # enough: the rest is never tokenized
+        stream += (sep if stream else []) + tokenizer(text.strip(), add_special_tokens=False, verbose=False)[
+            "input_ids"]
+    if len(stream) < body:
+        raise runner.EvalInputError(f"the text holds {len(stream)} tokens, fewer than one window of {length}; "
+                                    f"pass more text or ask for shorter lengths")
+    return [head + stream[k * body:(k + 1) * body] for k in range(min(windows, len(stream) // body))]
+
+
+def _documents(cfg: dict[str, Any], tokenizer: Any) -> list[list[int]]:
+    texts = _texts(cfg, tokenizer)
+    if cfg.get("pack"):
+        return pack(texts, int(cfg["length"]), int(cfg.get("windows") or 16), tokenizer)
+    return [tokenizer(t, add_special_tokens=True, verbose=False)["input_ids"] for t in texts]
+
+
+def doc_key(ids: list[int]) -> str:
+    """A short hash of a document's tokens: runs pair their documents by it (same text, same tokenizer)."""
+    return hashlib.sha1(array("q", ids).tobytes()).hexdigest()[:16]
 
 
 def token_losses(model: torch.nn.Module, cp: ContextParallel, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,50 +85,61 @@ def token_losses(model: torch.nn.Module, cp: ContextParallel, ids: torch.Tensor)
 
 
 def evaluate(model: torch.nn.Module, tokenizer: Any, cp: ContextParallel, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Bucketed mean loss (identical on every rank)."""
+    """Bucketed mean loss, overall and per document (identical on every rank)."""
     from tqdm.auto import tqdm
 
     from longdoc.hf import is_patched, patch, unpatch
 
     buckets = int(cfg.get("buckets", 16))
     device = next(model.parameters()).device
-    docs = [tokenizer(t, add_special_tokens=True, verbose=False)["input_ids"] for t in _texts(cfg, tokenizer)]
+    docs = _documents(cfg, tokenizer)
     length = int(cfg["length"]) if cfg.get("length") else min(len(d) for d in docs)
     if length < 2 * buckets:
         raise runner.EvalInputError(f"documents of {length} tokens are too short for {buckets} buckets; "
                                     f"lower --buckets")
     runner.check_context(model, length, f"position-loss over documents of {length} tokens (--length)")
     edges = torch.linspace(1, length, buckets + 1).round().long().tolist()  # predicted positions 1..length-1
-    sums = torch.zeros(buckets, 2, dtype=torch.float64, device=device)  # (loss sum, tokens)
-    used = skipped = 0
+    sums = torch.zeros(len(docs), buckets, 2, dtype=torch.float64, device=device)  # (doc, bucket, (loss sum, tokens))
+    used: list[int] = []
     was_patched = is_patched(model)
     patch(model, cp, strategy=cfg.get("strategy", "ring"))
     try:
-        for ids in tqdm(docs, desc="position-loss", unit="doc", disable=cp.rank != 0, dynamic_ncols=True):
-            ids = ids[:length]
+        for d, ids in enumerate(tqdm(docs, desc="position-loss", unit="doc", disable=cp.rank != 0,
+                                     dynamic_ncols=True)):
             if len(ids) < length:
-                skipped += 1
                 continue
             with torch.no_grad():
-                losses, pos = token_losses(model, cp, torch.tensor([ids], device=device))
+                losses, pos = token_losses(model, cp, torch.tensor([ids[:length]], device=device))
             b = (torch.bucketize(pos, torch.tensor(edges[1:-1], device=pos.device), right=True)).to(device)
-            sums[:, 0].index_add_(0, b, losses.double().to(device))
-            sums[:, 1].index_add_(0, b, torch.ones_like(losses, dtype=torch.float64).to(device))
-            used += 1
+            sums[d, :, 0].index_add_(0, b, losses.double().to(device))
+            sums[d, :, 1].index_add_(0, b, torch.ones_like(losses, dtype=torch.float64).to(device))
+            used.append(d)
     finally:
         if not was_patched:
             unpatch(model)
     if cp.size > 1:
         comm.all_reduce(sums, cp.group, cp.timeout, cp.guard, "all_reduce position loss")
     if not used:
-        raise runner.EvalInputError(f"no document has {length} tokens ({skipped} shorter ones skipped); lower "
+        raise runner.EvalInputError(f"no document has {length} tokens ({len(docs)} shorter ones skipped); lower "
                                     f"--length or pass longer documents")
-    means = [float(s / n) if n else None for s, n in sums.tolist()]
-    return {"task": "position-loss", "length": length, "buckets": buckets, "documents": used, "skipped": skipped,
-            "edges": edges, "centers": [(lo + hi) / 2 for lo, hi in zip(edges[:-1], edges[1:])],
-            "mean_loss": means, "tokens": [int(n) for _, n in sums.tolist()],
-            "overall": float(sums[:, 0].sum() / sums[:, 1].sum()),
-            "first_bucket": means[0], "last_bucket": means[-1]}
+    return _result(sums, used, docs, length, edges, cfg)
+
+
+def _result(sums: torch.Tensor, used: list[int], docs: list[list[int]], length: int, edges: list[int],
+            cfg: dict[str, Any]) -> dict[str, Any]:
+    def mean(s: float, n: float) -> float | None:
+        return float(s / n) if n else None
+
+    total = sums[used].sum(dim=0)  # (buckets, 2)
+    means = [mean(s, n) for s, n in total.tolist()]
+    per_doc = {"keys": [doc_key(docs[d][:length]) for d in used],
+               "loss": [mean(*sums[d].sum(dim=0).tolist()) for d in used],
+               "bucket_loss": [[mean(s, n) for s, n in sums[d].tolist()] for d in used]}
+    return {"task": "position-loss", "length": length, "buckets": len(edges) - 1, "documents": len(used),
+            "skipped": len(docs) - len(used), "pack": bool(cfg.get("pack")), "edges": edges,
+            "centers": [(lo + hi) / 2 for lo, hi in zip(edges[:-1], edges[1:])], "mean_loss": means,
+            "tokens": [int(n) for _, n in total.tolist()], "overall": float(total[:, 0].sum() / total[:, 1].sum()),
+            "first_bucket": means[0], "last_bucket": means[-1], "per_document": per_doc}
 
 
 def task(model: torch.nn.Module, tokenizer: Any, cp: ContextParallel, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -100,7 +152,8 @@ def check(cfg: dict[str, Any]) -> None:
         raise ValueError("position-loss needs --data FILE.jsonl, or --length N to generate documents of N tokens")
     if cfg.get("length") and int(cfg["length"]) < 2 * int(cfg.get("buckets", 16)):
         raise ValueError(f"--length ({cfg.get('length')}) must be at least twice --buckets ({cfg.get('buckets')})")
-    data.check_inputs(cfg.get("pl_data") or [], "--data")
+    skips = Skips() if cfg.get("pack") and cfg.get("skip_bad") else None
+    data.check_inputs(cfg.get("pl_data") or [], "--data", skips=skips)
 
 
 def write_report(run_dir: str | Path, results: dict[str, Any]) -> Path:
