@@ -85,6 +85,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "its own question order and windows (default 1)")
     q.set_defaults(func=_prepare)
 
+    t = verbs.add_parser("plant", help="plant artificial retrieval facts and their questions in QA documents",
+                         description="Each document of a QA jsonl (`longdoc data synth` records) gets --facts key-value"
+                                     " sentences at random sentence boundaries and one question per fact (kind "
+                                     "retrieval), in a vocabulary of its own (longdoc.corpus.plant): training on them "
+                                     "keeps the skill of finding a fact anywhere in a long context.")
+    t.add_argument("input", help="QA records (.jsonl)")
+    t.add_argument("--facts", type=int, default=4, help="facts per document (default: %(default)s)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--out", required=True, help="output .jsonl file")
+    t.set_defaults(func=_plant)
+
     r = verbs.add_parser("rehearse", help="sample replay text from the base model itself (a data.mix rehearsal source)",
                          description="Self-synthesised rehearsal (longdoc.corpus.rehearsal): the model writes user "
                                      "requests and answers them, sampled at temperature 1, one {doc_id, text} record "
@@ -117,6 +128,28 @@ def _synth(args: argparse.Namespace) -> int:
     print(f"wrote {len(records)} {args.domain} documents to {args.out} in {time.perf_counter() - t0:.1f}s: "
           f"{min(lengths)}-{max(lengths)} tokens (target {args.tokens}), "
           f"{sum(len(r['qa']) for r in records)} questions of {len(kinds)} kinds ({', '.join(kinds)})")
+    return 0
+
+
+def _plant(args: argparse.Namespace) -> int:
+    import json
+
+    from longdoc.corpus.plant import plant
+    from longdoc.corpus.synth import write_jsonl
+
+    try:
+        if args.facts < 1:
+            raise ValueError(f"--facts must be >= 1, got {args.facts}")
+        with open(args.input, encoding="utf-8") as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        if not records or not all(isinstance(r, dict) and "document" in r for r in records):
+            raise ValueError(f"{args.input} holds no QA records with a document (make them with `longdoc data synth`)")
+        planted = [plant(r, args.facts, args.seed) for r in records]
+    except (OSError, ValueError) as e:
+        print(f"longdoc data plant: {e}", file=sys.stderr)
+        return 2
+    write_jsonl(planted, args.out)
+    print(f"wrote {len(planted)} documents to {args.out}, {args.facts} retrieval facts and questions planted in each")
     return 0
 
 

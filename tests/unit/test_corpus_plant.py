@@ -1,0 +1,61 @@
+"""`longdoc data plant`: artificial retrieval facts in QA documents, each with one question whose answer is in the
+text exactly once; the record's own evidence moves with the inserted text; no template shared with the evaluation's
+needles or the RULER-style suite."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from longdoc.corpus import plant
+from longdoc.eval import needle
+
+
+def _record():
+    doc = "\n".join(f"Entry {i}: the clerk filed motion {i * 7 % 31} on day {i}. It was granted." for i in range(40))
+    start = doc.index("motion 4 ")
+    return {"id": "d0", "document": doc, "qa": [{"id": "q0", "kind": "lookup", "question": "Which motion?",
+                                                  "answer": "motion 4", "evidence": [
+                                                      {"start": start, "end": start + 8, "text": "motion 4"}]}]}
+
+
+def test_facts_are_planted_with_their_questions_and_evidence_moves():
+    rec = _record()
+    out = plant.plant(rec, 5, seed=3)
+    assert out == plant.plant(rec, 5, seed=3), "a pure function of (record, facts, seed)"
+    assert out["document"] != plant.plant(rec, 5, seed=4)["document"]
+    text = out["document"]
+    added = [q for q in out["qa"] if q["kind"] == "retrieval"]
+    assert len(added) == 5 and len(out["qa"]) == 6 and rec["qa"][0]["evidence"][0]["start"] < len(rec["document"])
+    for q in out["qa"]:
+        e = q["evidence"][0]
+        assert text[e["start"]:e["end"]] == e["text"] == (q["answer"] if q["kind"] == "retrieval" else "motion 4")
+        assert q["depth"] == pytest.approx(e["start"] / len(text), abs=1e-4)
+    for q in added:
+        assert len(re.findall(re.escape(q["answer"]), text)) == 1, "each answer stands once in the text"
+    assert len({q["question"] for q in added}) == 5
+
+
+def test_no_evaluation_template_is_reused():
+    own = " ".join(plant._ENTITIES + plant._ATTRIBUTES) + plant._FACT + plant._QUESTION
+    for fact, question in [p for pairs in needle.NEEDLES.values() for p in pairs]:
+        for word in set(re.findall(r"[a-z']{5,}", (fact + " " + question).lower())) - {"value", "what", "number"}:
+            assert word not in own.lower(), word  # combination, evidence, permit, cabinet, ... (not "number")
+    assert "magic" not in own.lower()
+
+
+def test_cli_writes_and_refuses_bad_input(tmp_path, capsys):
+    from longdoc.cli import main
+
+    src = tmp_path / "qa.jsonl"
+    src.write_text(json.dumps(_record()) + "\n")
+    assert main(["data", "plant", str(src), "--facts", "2", "--out", str(tmp_path / "out.jsonl")]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and sum(q["kind"] == "retrieval" for q in rows[0]["qa"]) == 2
+    capsys.readouterr()
+    assert main(["data", "plant", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "x.jsonl")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("longdoc data plant:")
+    assert main(["data", "plant", str(src), "--facts", "0", "--out", str(tmp_path / "x.jsonl")]) == 2
