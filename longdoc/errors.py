@@ -41,7 +41,3 @@ EXIT_CODES = (
     f"stderr `longdoc VERB: error: MESSAGE` (the same with --cp N as without); {EXIT_BUG} an internal error (a bug: "
     f"its traceback follows, please report it)"
 )
-
-
-def is_user_error(e: BaseException) -> bool:
-    return isinstance(e, USER_ERRORS)

@@ -1,18 +1,24 @@
-"""`make gpu-check`: the checks that need a GPU, in one short run for a session lent one (at most 8 minutes on an H200).
+"""The checks only a CUDA device can make: the GPU tests, the CUDA kernels' speed, the planner's memory on a real step.
 
-    python -m longdoc.bench.gpucheck --out docs/bench/gpu-check.json     # on the GPU machine (make gpu-check)
+Three parts, each recorded in the JSON file as ran / passed / failed, or skipped with the reason:
+  1. tests: `pytest -m gpu`, the tests that need CUDA: the bf16/fp32 CUDA kernel path against the float64
+     reference, the DSA indexer's top-k selection on CUDA (the same keys at every tile shape and rank split), the
+     checkpoint offload's pinned host memory and lower peak, and `longdoc bench gpu` on a device; the counts from
+     pytest's closing line (it gets half of --budget-s, default TIME_BUDGET_S);
+  2. kernels: `longdoc bench gpu` at 8k and 32k tokens, 2 and 4 ranks: TFLOP/s of longdoc's block kernels and of a
+     zigzag ring's blocks against one flash-attention call over the whole sequence;
+  3. step: one full-fine-tuning step as `longdoc train` takes it at cp=1 (AdamW, fp32 master weights, bf16
+     autocast, activation checkpointing, chunked loss) of a 1B-class model (Llama-3.2-1B's published shape, random
+     weights, no download) at the longest length the planner fits under MEMORY_CAP_GIB, with the checkpoint offload
+     off and on: the measured peak (torch.cuda.max_memory_allocated) beside the planner's prediction for the same
+     setup, their ratio, and the step's seconds; an out-of-memory step is recorded as such (the planner was wrong).
+The exit status is 1 when a part failed. docgen publishes the file on the performance page.
+
+    python -m longdoc.bench.gpucheck --out docs/bench/gpu-check.json     # on a GPU machine (make gpu-check)
     python -m longdoc.bench.gpucheck --dry-run --out /tmp/gpu-check.json  # anywhere: CUDA parts skipped by name
 
-Three parts, each recorded in the JSON file whether it ran, failed or was skipped (and why):
-  1. tests: `pytest -m gpu` (the CUDA paths of the kernels, DSA's top-k, the checkpoint offload);
-  2. kernels: `longdoc bench gpu` at short lengths (longdoc's block kernels against one flash-attention call);
-  3. step: one full-fine-tuning step (AdamW, fp32 master weights, bf16 autocast, activation checkpointing, chunked
-     loss) of a 1B-class model (Llama-3.2-1B's published shape, random weights, no download) at the longest length
-     the planner says fits under MEMORY_CAP_GIB, with the checkpoint offload off and on: the measured peak
-     (torch.cuda.max_memory_allocated) beside the planner's prediction for the same setup.
-docgen publishes the file (docs/bench/gpu-check.json) on the performance page. The dry run runs the same code with
-the parts that need CUDA skipped by name, and the step on the CPU with a tiny config, so the tests prove the script
-without a device. CI never needs one.
+The dry run runs the same code with the CUDA parts skipped and the step on the CPU with a tiny config, so the CPU
+tests prove the script end to end.
 """
 
 from __future__ import annotations

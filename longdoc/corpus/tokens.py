@@ -36,10 +36,6 @@ def encode(tokenizer: Any, texts: list[str], offsets: bool = False, special: boo
                      return_attention_mask=False, verbose=False)
 
 
-def count(tokenizer: Any, text: str) -> int:
-    return len(encode(tokenizer, [text])["input_ids"][0])
-
-
 def token_ends(offsets: list[tuple[int, int]]) -> list[int]:
     return [end for _, end in offsets]
 

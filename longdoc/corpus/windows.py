@@ -109,16 +109,6 @@ def evidence_pieces(n: int, budget: int, spans: list[tuple[int, int]], rng: rand
     return [(a, b) for a, b in pieces]
 
 
-def qa_row(prefix: list[int], doc: list[int], pieces: list[tuple[int, int]], sep: list[int],
-           suffix: list[int], answer: list[int]) -> tuple[list[int], list[int]]:
-    """(input_ids, labels) of prompt + document pieces + question + answer; loss on the answer only."""
-    body: list[int] = []
-    for i, (a, b) in enumerate(pieces):
-        body += (sep if i else []) + doc[a:b]
-    prompt = prefix + body + suffix
-    return prompt + answer, [IGNORE] * len(prompt) + answer
-
-
 def qa_turns_row(prefix: list[int], doc: list[int], pieces: list[tuple[int, int]], sep: list[int],
                  turns: list[tuple[list[int], list[int]]]) -> tuple[list[int], list[int]]:
     """(input_ids, labels) of prompt + document pieces + (question, answer) turns; loss on every answer."""

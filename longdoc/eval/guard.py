@@ -150,11 +150,9 @@ def check_reused(side: str, runs: dict[str, Path], names: list[str], shared: dic
 def _check_models(to_run: list[tuple[str, str]], shared: dict[str, Any], overrides: dict[str, dict[str, Any]],
                   names: list[str]) -> None:
     """Each model to run resolves and the lengths fit its context, from its config alone (eval's check_model)."""
-    from longdoc.eval.cli import check_model
-
     for _, model in to_run:
         for t in names:
-            check_model({**shared, **overrides.get(t, {}), "model": model, "task": t})
+            runner.check_model({**shared, **overrides.get(t, {}), "model": model, "task": t})
 
 
 def main(cfg: dict[str, Any]) -> int:

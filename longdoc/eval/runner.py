@@ -78,6 +78,26 @@ def check_context(model: Any, tokens: int, what: str) -> None:
           shorten="use shorter documents")
 
 
+def check_model(cfg: dict[str, Any]) -> None:
+    """Before any rank starts or any weights load: the model name resolves (from its config alone), and the lengths
+    asked for fit its context (the ranks check every prompt again, exactly, once tokenized)."""
+    from longdoc.train.config import ModelConfig
+    from longdoc.train.modeling import check_context
+    from longdoc.train.preflight import model_context
+
+    mcfg = ModelConfig(name=cfg["model"], rope_type=cfg.get("rope_type"),
+                       rope_factor=float(cfg.get("rope_factor") or 1.0))
+    limit = model_context(mcfg)
+    task, lengths, new = cfg.get("task"), cfg.get("lengths") or [], int(cfg.get("max_new_tokens") or 0)
+    asked = {"needle": (max(lengths, default=0) + new, f"--lengths {max(lengths, default=0)} plus --max-new-tokens "
+                                                       f"{new}"),
+             "ruler": (max(lengths, default=0), f"--lengths {max(lengths, default=0)}"),
+             "position-loss": (int(cfg.get("length") or 0), f"--length {cfg.get('length')}")}.get(task)
+    if asked and asked[0]:
+        extend = "--rope-type yarn --rope-factor {factor}" if mcfg.rope_type is None else "a larger --rope-factor"
+        check_context(asked[0], limit, what=asked[1], extend=extend, shorten="ask for shorter lengths")
+
+
 def stamp(result: dict[str, Any], cfg: dict[str, Any], cp_size: int, started: float) -> dict[str, Any]:
     """Add the run's settings and timing to a task result."""
     result.setdefault("model", cfg.get("model"))

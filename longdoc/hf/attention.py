@@ -31,8 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from longdoc.hf import branches, decode, mask_probe
-from longdoc.hf.kinds import temperature
+from longdoc.hf import branches, decode, mask_probe, query_temperature
 from longdoc.hf.modelinfo import model_name, positive_int, refuse
 from longdoc.parallel.api import ContextParallel, attention
 from longdoc.parallel.batch import documents_of
@@ -301,10 +300,10 @@ def cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
                                       query.shape[2] * cp.size)
     if problem is not None:
         raise refuse(handle.model_name, *problem)
-    if temperature.is_tuned(module):  # Llama 4 NoPE layers: the queries' scale from each token's row index
+    if query_temperature.is_tuned(module):  # Llama 4 NoPE layers: the queries' scale from each token's row index
         docs = call_documents(handle, kwargs.get("cu_seq_lens_q"), query.shape[0], query.shape[2]) \
             if handle.session is None else None
-        query = temperature.scale_queries(module, handle, query, docs)
+        query = query_temperature.scale_queries(module, handle, query, docs)
 
     if torch.is_autocast_enabled(query.device.type):
         # Under autocast SDPA (which this replaces) runs in the autocast dtype; RoPE leaves q and k in fp32

@@ -61,7 +61,7 @@ REIMPLEMENTED: dict[str, Upstream] = {
     "rwkv": Upstream(("transformers.models.rwkv.modeling_rwkv.RwkvSelfAttention",
                       "transformers.models.rwkv.modeling_rwkv.RwkvFeedForward"),
                      ("forward", ":rwkv_linear_attention", ":rwkv_linear_attention_cpu")),
-    # scale_queries re-implements the attention's temperature tuning formula
+    # query_temperature.scale_queries re-implements the attention's temperature tuning formula
     "llama4_temperature": Upstream(("transformers.models.llama4.modeling_llama4.Llama4TextAttention",),
                                    ("forward",)),
 }

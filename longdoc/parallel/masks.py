@@ -190,14 +190,6 @@ def plan(q_runs: tuple[Run, ...], k_runs: tuple[Run, ...], seq_len: int, pattern
     return tuple(out)
 
 
-def visible(i: int, j: int, seq_len: int, pattern: Pattern) -> bool:
-    """Does global query i see global key j? (The definition the plans are tested against.)"""
-    cuts = boundaries(seq_len, pattern)
-    if bisect.bisect_right(cuts, i) != bisect.bisect_right(cuts, j):
-        return False
-    return _lo(i, pattern.window) <= j <= _hi(i, pattern.causal)
-
-
 def steps_needed(all_runs: tuple[tuple[Run, ...], ...], seq_len: int, pattern: Pattern) -> int:
     """Ring steps until no rank needs another block: 1 + the last step any rank has work in.
 

@@ -100,10 +100,3 @@ def fix_unseen(out: torch.Tensor, lse: torch.Tensor, hidden: torch.Tensor) -> tu
         return out, lse
     lse = torch.where(seen[:, None], lse, torch.full_like(lse, float("-inf")))
     return torch.where(seen[:, None, :, None], out, torch.zeros_like(out)), lse
-
-
-def reference_mask(selected: torch.Tensor, q_pos: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """(batch, local_len, seq_len) bool, True where query (at global q_pos) sees key j: causal AND selected. For
-    tests and small references only (it is the full matrix this module never builds)."""
-    seen = visible(selected, torch.arange(seq_len, device=selected.device), seq_len)
-    return seen & (torch.arange(seq_len, device=selected.device)[None, None] <= q_pos.view(1, -1, 1))

@@ -9,12 +9,6 @@ from __future__ import annotations
 from longdoc.plan.shapes import ModelShape
 
 
-def autocast_layer_bytes_per_token(shape: ModelShape, c: int, lora: bool, lora_rank: int,
-                                   lora_targets: tuple[str, ...], tiled_mlp: bool = False) -> float:
-    """A under CPU autocast (see `autocast_layer_parts_per_token`)."""
-    return sum(autocast_layer_parts_per_token(shape, c, lora, lora_rank, lora_targets, tiled_mlp).values())
-
-
 def autocast_layer_parts_per_token(shape: ModelShape, c: int, lora: bool, lora_rank: int,
                                    lora_targets: tuple[str, ...], tiled_mlp: bool = False) -> dict[str, float]:
     """A under CPU autocast (fp32 weights, c-byte matmul outputs), counted with saved-tensor hooks in the tests.

@@ -390,7 +390,7 @@ def _export(acc, world: World, loss_model, tokenizer, out: Path, recipe: Recipe)
     state_dict = None
     if world.shard_on_cpu:  # the full weights gathered from the FSDP2 shards (a collective: every rank)
         state_dict = {k.removeprefix("model."): v for k, v in world.full_state_dict(loss_model).items()}
-    elif recipe.train.fsdp:
+    elif world.fsdp:
         full = acc.get_state_dict(loss_model)  # collective: every rank takes part
         state_dict = {k.removeprefix("model."): v for k, v in (full or {}).items()}
     if world.is_main:

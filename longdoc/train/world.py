@@ -58,6 +58,7 @@ class World:
     groups: Groups | None = None
     debug_collectives: bool = False
     peers: PeerWatch | None = None  # lost-peer detection (longdoc.train.peers); None on one process
+    fsdp: bool = False  # train.fsdp in effect: asked for, over more than one process (`shards`)
     shard_on_cpu: bool = False  # train.fsdp on CPU: the loop applies FSDP2 itself (shard_state), not Accelerate
 
     def close(self, finished: bool = True) -> None:
@@ -135,6 +136,13 @@ class World:
         return GradCoverage(model.named_parameters()) if self.debug_collectives else None
 
 
+def shards(recipe: Recipe, world_size: int) -> bool:
+    """Whether the recipe's train.fsdp shards anything on `world_size` processes. One process has nothing to shard
+    (and on CPU without a launcher FSDP's mesh would fail, wanting the launcher's RANK for an env:// rendezvous),
+    so there it trains as a plain single process. Pure: identical on every rank."""
+    return recipe.train.fsdp and world_size > 1
+
+
 def check_launch(recipe: Recipe, world_size: int, cuda: bool) -> tuple[int, int]:
     """(dp, cp) for a recipe launched on `world_size` processes, or a RecipeError naming the fix. Pure:
     identical on every rank."""
@@ -188,6 +196,10 @@ def start(recipe: Recipe, log_with: list | None = None, wrap_classes: list[str] 
     launched = launched_world()
     expected = launched.world_size
     dp, cp = check_launch(recipe, expected, cuda)  # before joining anything: same error on every rank
+    fsdp = shards(recipe, expected)
+    if recipe.train.fsdp and not fsdp:
+        print("longdoc train: train.fsdp=true on one process: nothing to shard, so it trains as one plain process "
+              "(FSDP shards over 2 or more)", flush=True)
     mixed = resolve_mixed_precision(recipe.train.mixed_precision, cuda)
     timeout = datetime.timedelta(seconds=recipe.train.comm_timeout)
     accelerator = Accelerator(
@@ -196,7 +208,7 @@ def start(recipe: Recipe, log_with: list | None = None, wrap_classes: list[str] 
         log_with=log_with,
         project_dir=recipe.output_dir,
         # Accelerate applies its FSDP plugin to GPU devices only; on CPU the loop shards with fully_shard itself
-        fsdp_plugin=_fsdp_plugin(wrap_classes) if recipe.train.fsdp and cuda else None,
+        fsdp_plugin=_fsdp_plugin(wrap_classes) if fsdp and cuda else None,
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)] + (
             [] if recipe.train.ddp_bucket_cap_mb is None
             else [DistributedDataParallelKwargs(bucket_cap_mb=recipe.train.ddp_bucket_cap_mb)]),
@@ -210,13 +222,13 @@ def start(recipe: Recipe, log_with: list | None = None, wrap_classes: list[str] 
     rank = accelerator.process_index
     device = accelerator.device
     debug = recipe.train.debug_collectives or debug_collectives_from_env()
-    groups = make_groups(dp, cp, device.type, timeout, debug_collectives=debug, fsdp=recipe.train.fsdp)
+    groups = make_groups(dp, cp, device.type, timeout, debug_collectives=debug, fsdp=fsdp)
     # usp: ContextParallel factors the CP group into its "cp_ring" x "cp_ulysses" axes (collective over the group)
     ctx = ContextParallel(groups.cp, layout=recipe.train.layout, timeout=timeout, debug_collectives=debug,
                           ulysses_size=recipe.ulysses_size)
     # across nodes only: inside one node the launcher itself stops every rank when one dies
     peers = PeerWatch(rank, world_size, recipe.train.peer_timeout, node=launched.node) if launched.nodes > 1 else None
-    return World(shard_on_cpu=recipe.train.fsdp and not cuda,
+    return World(fsdp=fsdp, shard_on_cpu=fsdp and not cuda,
                  accelerator=accelerator, mesh=groups.mesh, cp=ctx, world_size=world_size, rank=rank, dp_size=dp,
                  dp_rank=groups.dp_rank, device=device, mixed_precision=mixed, groups=groups,
                  debug_collectives=debug, peers=peers)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from longdoc.corpus.windows import IGNORE, evidence_pieces, pack_rows, pretrain_rows, qa_row, split_windows
+from longdoc.corpus.windows import IGNORE, evidence_pieces, pack_rows, pretrain_rows, qa_turns_row, split_windows
 
 
 @pytest.mark.parametrize("n,target,overlap", [(10, 16, 4), (16, 16, 4), (17, 16, 4), (100, 16, 0), (1000, 64, 63),
@@ -59,7 +59,7 @@ def test_far_apart_evidence_gives_pieces_in_order():
     assert len(pieces) == 2 and pieces[0][0] <= 100 and pieces[0][1] >= 130
     assert pieces[1][0] <= 90_000 and pieces[1][1] >= 90_020
     assert sum(b - a for a, b in pieces) + 4 <= 1000
-    ids, labels = qa_row([1], list(range(100_000)), pieces, [-1, -2, -3, -4], [7, 8], [42, 43])
+    ids, labels = qa_turns_row([1], list(range(100_000)), pieces, [-1, -2, -3, -4], [([7, 8], [42, 43])])
     assert ids[-2:] == [42, 43] and labels[-2:] == [42, 43] and set(labels[:-2]) == {IGNORE}
     assert len(ids) <= 1 + 1000 + 2 + 2
 

@@ -1,6 +1,7 @@
 """The shape of the package, read from the source with `ast` (nothing is imported): no import cycles, each
 layer imports only the layers it may, small modules, and one module that talks to transformers' attention
-registry. Imports inside functions count like top-level ones: they run too, just later."""
+registry. Imports inside functions count like top-level ones: they run too, just later. Importing `a.b.c` runs
+`a/b/__init__.py` before `a/b/c.py`, so an import is an edge to each package above its target as well (`runs`)."""
 
 from __future__ import annotations
 
@@ -70,15 +71,27 @@ def imports_of(name: str) -> Iterator[tuple[str, int]]:
                     yield base, node.lineno
 
 
+def runs(importer: str, target: str) -> list[str]:
+    """The modules Python runs when `importer` imports `target`: each package above `target` (its __init__, outermost
+    first), then `target` itself; less those already running, `importer` and the packages above it (Python ran
+    them before `importer`). So `longdoc.hf.attention` importing `longdoc.hf.kinds.temperature` runs
+    `longdoc.hf.kinds` (which imports every kind) before `longdoc.hf.kinds.temperature`."""
+    parts = target.split(".")
+    chain = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    return [m for m in chain if not _within(importer, m)]
+
+
 @cache
 def graph() -> dict[str, dict[str, int]]:
-    """module -> {imported longdoc module: first line that imports it}."""
+    """module -> {longdoc module its imports run: first line that runs it}, the parent packages' __init__ included."""
+    known = modules()
     g: dict[str, dict[str, int]] = {}
-    for name in modules():
+    for name in known:
         edges: dict[str, int] = {}
         for target, line in imports_of(name):
-            if target != name:
-                edges.setdefault(target, line)
+            for ran in runs(name, target):
+                if ran in known:
+                    edges.setdefault(ran, line)
         g[name] = edges
     return g
 
@@ -164,6 +177,18 @@ def test_resolver_sees_the_package_and_its_imports():
     assert "longdoc.parallel.layout" in g["longdoc.parallel.api"]
     # `from longdoc.parallel.api import ContextParallel` inside start() counts (an import in a function)
     assert "longdoc.parallel.api" in g["longdoc.train.world"]
+
+
+def test_resolver_adds_the_parent_packages_python_runs_first():
+    assert runs("longdoc.hf.attention", "longdoc.hf.kinds.temperature") == ["longdoc.hf.kinds",
+                                                                          "longdoc.hf.kinds.temperature"]
+    assert runs("longdoc.train.loop", "longdoc.hf.patch") == ["longdoc.hf", "longdoc.hf.patch"]
+    assert runs("longdoc.hf.kinds", "longdoc.hf.kinds.mamba") == ["longdoc.hf.kinds.mamba"]  # its own __init__ runs
+    g = graph()
+    # `from longdoc.parallel.recurrent import ...` runs longdoc/parallel/__init__.py first
+    assert {"longdoc.parallel", "longdoc.parallel.recurrent"} <= set(g["longdoc.hf.recurrent"])
+    # `from longdoc.hf import branches` inside longdoc.hf: the package is already running, no edge to it
+    assert "longdoc.hf" not in g["longdoc.hf.attention"]
 
 
 def test_cycle_finder_reports_the_path():

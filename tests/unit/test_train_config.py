@@ -84,6 +84,34 @@ def test_launch_layout_checks(monkeypatch):
                         cuda=False) == (1, 1)
 
 
+def test_fsdp_on_one_process_trains_as_one_plain_process(capsys, monkeypatch, tmp_path):
+    """`longdoc train RECIPE cp_size=1 train.fsdp=true` without a launcher: one process has nothing to shard, so the
+    run says so in one line and trains unsharded (FSDP's mesh, built anyway, wanted the launcher's RANK)."""
+    import torch
+    from accelerate.state import AcceleratorState, GradientState
+
+    from longdoc.train.world import shards, start
+
+    r = recipe_from_dict({"data": {"path": "random"}, "output_dir": str(tmp_path)},
+                         ["cp_size=1", "train.fsdp=true", "train.release_freed_memory=false"])
+    assert (shards(r, 1), shards(r, 2)) == (False, True)
+    assert not shards(recipe_from_dict({"data": {"path": "random"}}, ["cp_size=1"]), 2)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+    world = start(r)
+    try:
+        assert capsys.readouterr().out.count("train.fsdp=true on one process: nothing to shard") == 1
+        assert (world.world_size, world.fsdp, world.shard_on_cpu) == (1, False, False)
+        model, _ = world.prepare(torch.nn.Linear(4, 4), lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
+        assert all(type(p) is torch.nn.Parameter for p in model.parameters())  # not FSDP2's DTensor shards
+    finally:
+        world.close()
+        AcceleratorState._reset_state()
+        GradientState._reset_state()
+
+
 def test_cli_print_and_error_exit_codes(capsys, tmp_path):
     from longdoc.cli import main
 

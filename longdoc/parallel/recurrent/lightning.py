@@ -61,12 +61,6 @@ def finish(out0: torch.Tensor, q: torch.Tensor, slope: torch.Tensor, state: torc
     return (out0.to(acc) + read).to(q.dtype)
 
 
-def scan(q, k, v, slope, block_size: int, state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output, final KV) of one piece entered with `state`."""
-    out0, offset = run_piece(q, k, v, slope, block_size)
-    return finish(out0, q, slope, state), advance(state, transition(slope, q.shape[2]), offset)
-
-
 class Lightning:
     """The state-passing contract (longdoc.parallel.recurrent.protocol.Recurrence) for one lightning layer.
 
@@ -90,4 +84,4 @@ class Lightning:
         return finish(y0, piece[0], self.slope, state[0])
 
 
-__all__ = ["Lightning", "run_piece", "transition", "advance", "finish", "scan"]
+__all__ = ["Lightning", "run_piece", "transition", "advance", "finish"]
