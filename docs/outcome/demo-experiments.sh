@@ -50,7 +50,7 @@ evaluate() {
       --data $D/legal-4k-dev-s7.jsonl --max-new-tokens 24 --cp 2 --out $out/qa > $out/qa.log 2>&1
   t1=$(date +%s)
   set +e
-  $PY -m longdoc eval guard SmolLM2-135M-Instruct "$model" --text runs/dev-prose --lengths 2k,4k --repeats 4 \
+  $PY -m longdoc eval guard SmolLM2-135M-Instruct "$model" --text runs/dev-prose --lengths 1k,2k --repeats 4 --windows 8 \
       --cp 2 --out $out/guard > $out/guard.log 2>&1
   verdict=$?
   set -e

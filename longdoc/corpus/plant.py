@@ -39,9 +39,11 @@ def _value(rng: random.Random) -> str:
     return f"{letters}-{rng.randint(1000, 9999)}"
 
 
-def _boundaries(text: str) -> list[int]:
-    """Character offsets where a new sentence may start."""
-    return [0] + [m.end() for m in _BOUNDARY.finditer(text)]
+def _boundaries(text: str, spans: list[tuple[int, int]]) -> list[int]:
+    """Character offsets where a new sentence may start: never inside the evidence of one of the record's questions
+    (an evidence span can hold several sentences)."""
+    starts = [0] + [m.end() for m in _BOUNDARY.finditer(text)]
+    return [b for b in starts if not any(a < b < e for a, e in spans)]
 
 
 def plant(record: dict[str, Any], facts: int, seed: int) -> dict[str, Any]:
@@ -50,7 +52,9 @@ def plant(record: dict[str, Any], facts: int, seed: int) -> dict[str, Any]:
         raise ValueError(f"facts must be >= 1, got {facts}")
     rng = random.Random(f"plant:{seed}:{record.get('id')}")
     doc = str(record["document"])
-    starts = _boundaries(doc)
+    spans = [(e["start"], e.get("end", e["start"])) for q in record.get("qa") or [] for e in q.get("evidence") or []
+             if isinstance(e.get("start"), int)]
+    starts = _boundaries(doc, spans)
     # distinct (entity, label, attribute) per document: every question has exactly one answer in it
     keys = set()
     while len(keys) < facts:

@@ -59,3 +59,17 @@ def test_cli_writes_and_refuses_bad_input(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("longdoc data plant:")
     assert main(["data", "plant", str(src), "--facts", "0", "--out", str(tmp_path / "x.jsonl")]) == 2
+
+
+def test_no_fact_lands_inside_a_multi_sentence_evidence():
+    rec = _record()
+    doc = rec["document"]
+    start = doc.index("Entry 3:")
+    end = doc.index("Entry 30:")  # 27 lines of sentence boundaries inside one evidence span
+    rec["qa"].append({"id": "q1", "kind": "interval", "question": "What happened?", "answer": "motion 21",
+                      "evidence": [{"start": start, "end": end, "text": doc[start:end]}]})
+    for seed in range(20):
+        out = plant.plant(rec, 8, seed)
+        for q in out["qa"]:
+            for e in q["evidence"]:
+                assert out["document"][e["start"]:e["end"]] == e["text"], (seed, q["id"])
