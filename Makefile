@@ -72,31 +72,41 @@ docs-serve: install
 bench: install
 	$(PY) -m longdoc bench
 
-# The CPU demo (README "Quick start"): generate legal case files, fine-tune SmolLM2-135M-Instruct with LoRA
-# at cp=2 over 2 CPU processes (recipes/cpu-demo.yaml: every row one case file and all its questions, bf16 on
-# CPUs with native bf16), then base vs tuned on held-out case files. The held-out seed (2026) is used for
-# nothing else: develop against another seed (`make demo DEMO_HELDOUT_SEED=7`) and keep this one unseen.
+# The CPU demo (README "Quick start"): generate legal case files and plant retrieval facts in them (`longdoc data
+# plant`), fine-tune SmolLM2-135M-Instruct with LoRA at cp=2 over 2 CPU processes (recipes/cpu-demo.yaml: every row
+# one case file and all its questions, bf16 on CPUs with native bf16), then base vs tuned on held-out case files
+# (QA), the no-harm check on real legal text the project never trains on (`longdoc eval guard`, the license texts
+# of data/transfer), and both side by side. The held-out seed (2026) is used for nothing else: develop against
+# another seed (`make demo DEMO_HELDOUT_SEED=7`) and keep this one unseen. The base model's results are cached by
+# content (~/.cache/longdoc/eval), so a second run evaluates only the tuned model.
 DEMO_OUT ?= runs/cpu-demo
 DEMO_DATA ?= runs/data
 DEMO_HELDOUT_SEED ?= 2026
+DEMO_JUDGE ?= data/transfer/licenses-qa.jsonl
 demo: install
 	@start=$$(date +%s); set -e; export HF_HUB_OFFLINE=1; \
-	echo "== 1/3 data: generated legal case files (train: 8 documents, seed 0; held out: 3, seed $(DEMO_HELDOUT_SEED))"; \
+	echo "== 1/4 data: generated legal case files (train: 8 documents, seed 0, 4 retrieval facts planted in each; held out: 3, seed $(DEMO_HELDOUT_SEED))"; \
 	mkdir -p $(DEMO_DATA); \
 	$(PY) -m longdoc data synth --domain legal --num-docs 8 --tokens 4096 --seed 0 --out $(DEMO_DATA)/legal-4k-train.jsonl; \
+	$(PY) -m longdoc data plant $(DEMO_DATA)/legal-4k-train.jsonl --facts 4 --seed 0 \
+		--out $(DEMO_DATA)/legal-4k-train-planted.jsonl; \
 	$(PY) -m longdoc data synth --domain legal --num-docs 3 --tokens 4096 --seed $(DEMO_HELDOUT_SEED) \
 		--out $(DEMO_DATA)/legal-4k-heldout.jsonl; \
-	echo "== 2/3 train: recipes/cpu-demo.yaml, cp=2 over 2 CPU processes"; \
+	echo "== 2/4 train: recipes/cpu-demo.yaml, cp=2 over 2 CPU processes"; \
 	$(VENV)/bin/accelerate launch --config_file recipes/accelerate/cpu-2proc.yaml -m longdoc train \
-		recipes/cpu-demo.yaml output_dir=$(DEMO_OUT) data.path=$(DEMO_DATA)/legal-4k-train.jsonl overwrite=true; \
-	echo "== 3/3 eval: base vs fine-tuned on every question of the held-out documents"; \
+		recipes/cpu-demo.yaml output_dir=$(DEMO_OUT) data.path=$(DEMO_DATA)/legal-4k-train-planted.jsonl overwrite=true; \
+	echo "== 3/4 eval: base vs fine-tuned on every question of the held-out case files"; \
 	$(MAKE) --no-print-directory demo-eval DEMO_OUT=$(DEMO_OUT) DEMO_DATA=$(DEMO_DATA); \
+	echo "== 4/4 no-harm check: base vs fine-tuned on real legal text never trained on ($(DEMO_JUDGE))"; \
+	$(PY) -m longdoc eval guard SmolLM2-135M-Instruct $(DEMO_OUT)/final --text $(DEMO_JUDGE) --windows 8 --cp 2 \
+		--out $(DEMO_OUT)/guard || test $$? -eq 1; \
+	echo "== outcome"; \
+	$(PY) -m longdoc.eval.sidebyside $(DEMO_OUT)/compare $(DEMO_OUT)/guard --out $(DEMO_OUT)/outcome.png --started $$start; \
 	echo "training loss: $(DEMO_OUT)/loss.png; held-out F1 and answer NLL: $(DEMO_OUT)/compare/compare_qa_{f1,nll}.png"; \
-	echo "demo finished in $$(( $$(date +%s) - start )) s; outputs in $(DEMO_OUT)/"
+	echo "no-harm check: $(DEMO_OUT)/guard/summary.md; outputs in $(DEMO_OUT)/"
 
 # Base vs fine-tuned on the held-out case files: document QA (EM/F1 and the teacher-forced answer NLL, by question
-# kind, with paired bootstrap intervals), cp=2. Loss by position and the needle grid are left out of the demo for
-# time (`longdoc eval position-loss`, `longdoc eval needle`).
+# kind, with paired bootstrap intervals), cp=2, the questions of a document decoded together over its one prefill.
 demo-eval: install
 	HF_HUB_OFFLINE=1 $(PY) -m longdoc eval compare SmolLM2-135M-Instruct $(DEMO_OUT)/final --names base tuned \
 		--tasks qa --data $(DEMO_DATA)/legal-4k-heldout.jsonl --max-new-tokens 24 --cp 2 --out $(DEMO_OUT)/compare

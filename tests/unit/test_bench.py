@@ -175,3 +175,22 @@ def test_cli_rejects_unknown_sections(capsys):
 
     assert main(["bench", "nonsense"]) == 2
     assert "choose among" in capsys.readouterr().out
+
+
+def test_mix_step_bench_rows_match_the_training_weights():
+    """The mix-step bench's rows: answers only; the drawn mix with n document targets weighted N/n (sum kept);
+    every document token in the full mix."""
+    import torch
+
+    from longdoc.bench.mix_step import MixStepBenchConfig, _targets
+
+    cfg = MixStepBenchConfig(seq_len=512, answers=40, context_positions=32, autocast=False)
+    ids = torch.randint(0, 1000, (1, 512), generator=torch.Generator().manual_seed(0))
+    a, drawn, full = (_targets(cfg, ids, v) for v in ("answers", "mix-drawn", "mix-all"))
+    assert int((a["labels"] != -100).sum()) == 40 and "kl_weights" not in a
+    doc = 512 - 40 - 1  # document positions that predict a document token
+    assert int((drawn["labels"] != -100).sum()) == 40 + 32 and int((full["labels"] != -100).sum()) == 40 + doc
+    for t in (drawn, full):
+        assert float(t["loss_weights"].sum()) == pytest.approx(40 + 0.1 * doc)
+        assert float(t["kl_weights"].sum()) == pytest.approx(doc) and int(t["num_kl_tokens"]) == doc
+        assert bool((t["labels"][0, :-1][t["labels"][0, :-1] != -100] == ids[0, 1:][t["labels"][0, :-1] != -100]).all())
