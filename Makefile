@@ -72,9 +72,9 @@ docs-serve: install
 bench: install
 	$(PY) -m longdoc bench
 
-# The CPU demo (README "Quick start"): generate legal case files and plant retrieval facts in them (`longdoc data
-# plant`), fine-tune SmolLM2-135M-Instruct with LoRA at cp=2 over 2 CPU processes (recipes/cpu-demo.yaml: every row
-# one case file and all its questions, bf16 on CPUs with native bf16), then base vs tuned on held-out case files
+# The CPU demo (README "Quick start"): generate legal case files, fine-tune SmolLM2-135M-Instruct with LoRA on its
+# MLPs at cp=2 over 2 CPU processes (recipes/cpu-demo.yaml: every row one case file and all its questions, bf16 on
+# CPUs with native bf16), then base vs tuned on held-out case files
 # (QA), the no-harm check on real legal text the project never trains on (`longdoc eval guard`, the license texts
 # of data/transfer), and both side by side. The held-out seed (2026) is used for nothing else: develop against
 # another seed (`make demo DEMO_HELDOUT_SEED=7`) and keep this one unseen. The base model's results are cached by
@@ -85,16 +85,14 @@ DEMO_HELDOUT_SEED ?= 2026
 DEMO_JUDGE ?= data/transfer/licenses-qa.jsonl
 demo: install
 	@start=$$(date +%s); set -e; export HF_HUB_OFFLINE=1; \
-	echo "== 1/4 data: generated legal case files (train: 8 documents, seed 0, 4 retrieval facts planted in each; held out: 3, seed $(DEMO_HELDOUT_SEED))"; \
+	echo "== 1/4 data: generated legal case files (train: 8 documents, seed 0; held out: 3, seed $(DEMO_HELDOUT_SEED))"; \
 	mkdir -p $(DEMO_DATA); \
 	$(PY) -m longdoc data synth --domain legal --num-docs 8 --tokens 4096 --seed 0 --out $(DEMO_DATA)/legal-4k-train.jsonl; \
-	$(PY) -m longdoc data plant $(DEMO_DATA)/legal-4k-train.jsonl --facts 4 --seed 0 \
-		--out $(DEMO_DATA)/legal-4k-train-planted.jsonl; \
 	$(PY) -m longdoc data synth --domain legal --num-docs 3 --tokens 4096 --seed $(DEMO_HELDOUT_SEED) \
 		--out $(DEMO_DATA)/legal-4k-heldout.jsonl; \
 	echo "== 2/4 train: recipes/cpu-demo.yaml, cp=2 over 2 CPU processes"; \
 	$(VENV)/bin/accelerate launch --config_file recipes/accelerate/cpu-2proc.yaml -m longdoc train \
-		recipes/cpu-demo.yaml output_dir=$(DEMO_OUT) data.path=$(DEMO_DATA)/legal-4k-train-planted.jsonl overwrite=true; \
+		recipes/cpu-demo.yaml output_dir=$(DEMO_OUT) data.path=$(DEMO_DATA)/legal-4k-train.jsonl overwrite=true; \
 	echo "== 3/4 eval: base vs fine-tuned on every question of the held-out case files"; \
 	$(MAKE) --no-print-directory demo-eval DEMO_OUT=$(DEMO_OUT) DEMO_DATA=$(DEMO_DATA); \
 	echo "== 4/4 no-harm check: base vs fine-tuned on real legal text never trained on ($(DEMO_JUDGE))"; \
