@@ -115,9 +115,12 @@ demo-eval: install
 # 6 held-out case files of seeds used for nothing else (OUTCOME_SEEDS: 8k and 4k; the 2027/2028 seeds of the first
 # outcome run are spent): QA by kind/depth/length, loss by position, the needle grid, the RULER-style suite at
 # 2k/4k/8k (100 samples per task and length, `longdoc eval ruler`); and on the transfer family
-# (data/transfer: real license texts with hand-written questions) QA and needles planted in them. About 2 x 50
-# minutes of training (the mix's KL adds a forward per step) and ~1 hour for QA/needle/loss on 2 quiet cores; the
-# RULER suite (2,400 prompts of up to 8k tokens per model, 3 models) has not been timed here and takes hours more.
+# (data/transfer: real license texts with hand-written questions) QA and needles planted in them. The base model is
+# evaluated once: its results are cached by content (~/.cache/longdoc/eval) and reused by every later compare. Not
+# run end to end on 2 cores; estimated from rates measured here (2026-12-07: a 4k-token training step at cp=2 in bf16
+# ~20 s, prefill ~140 GFLOP/s in fp32 on 2 cores): about 2 x 40 minutes of training, about 30 minutes of
+# QA/needle/loss/transfer for the three models, and the RULER suite (2,400 prompts of up to 8k tokens per model,
+# 11M prompt tokens) about 6 hours per model, so 12 hours for base + mix and 6 more for the baseline's.
 # `make outcome OUTCOME_SKIP_BASELINE=1` reuses a finished baseline run.
 OUTCOME_OUT ?= runs/cpu-legal-mix
 OUTCOME_BASELINE_OUT ?= runs/cpu-legal-qa
