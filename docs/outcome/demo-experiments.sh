@@ -6,7 +6,8 @@
 # data/transfer (the held-out judge's kind). Every run is the demo's: 8 generated case files of 4k (seed 0),
 # SmolLM2-135M-Instruct + LoRA r=16 on q/k/v/o, cp=2, 12 steps, lr 1e-3; only data.mix (and the data) changes.
 #   docs/outcome/demo-experiments.sh data
-#   docs/outcome/demo-experiments.sh run NAME 'MIX_YAML'     # train, then QA and guard; a row in runs/exp37/rows.md
+#   docs/outcome/demo-experiments.sh run NAME 'MIX_YAML' [recipe overrides...]   # train, then QA and guard; a row
+#                                                                                   # in runs/exp37/rows.md
 #   docs/outcome/demo-experiments.sh eval NAME [MODEL]         # QA and guard only (the base is cached by content)
 # e.g. docs/outcome/demo-experiments.sh run answers '[{source: qa, path: runs/data/legal-4k-train.jsonl}]'
 set -euo pipefail
@@ -27,6 +28,7 @@ data() {
 }
 train() {
   name=$1 mix=$2
+  shift 2
   out=$X/$name
   mkdir -p $out
   sed -e "s|^output_dir: .*|output_dir: $out|" recipes/cpu-demo.yaml | $PY -c "
@@ -39,7 +41,7 @@ yaml.safe_dump(r, sys.stdout, sort_keys=False)" "$mix" > $out/recipe.yaml
   echo "$name: $(uptime)" >> $X/times.txt
   t0=$(date +%s)
   .venv/bin/accelerate launch --config_file recipes/accelerate/cpu-2proc.yaml -m longdoc train $out/recipe.yaml \
-      overwrite=true > $out/train.log 2>&1
+      overwrite=true "$@" > $out/train.log 2>&1
   echo "$name: train $(( $(date +%s) - t0 )) s; $(uptime)" | tee -a $X/times.txt
 }
 evaluate() {
@@ -67,8 +69,8 @@ PYEOF
 }
 case "$1" in
 data) data ;;
-train) train "$2" "$3" ;;
+train) shift; train "$@" ;;
 eval) evaluate "$2" "${3:-}" ;;
-run) train "$2" "$3"; evaluate "$2" ;;
+run) shift; train "$@"; evaluate "$1" ;;
 *) echo "usage: $0 data | run NAME MIX | train NAME MIX | eval NAME [MODEL]" >&2; exit 2 ;;
 esac
