@@ -333,6 +333,11 @@ def outcomes(prefix: str = "") -> str:
         if "f1" in qa and "em" in qa:
             lines.append(f"- {what}: held-out F1 {qa['f1']['a']:.3f} -> {qa['f1']['b']:.3f}, EM {qa['em']['a']:.3f} "
                          f"-> {qa['em']['b']:.3f} on {n} questions ([{name}/summary.md]({prefix}{name}/summary.md))")
+        guard = ROOT / "docs" / name / "guard_results.json"
+        if guard.exists():  # the no-harm check beside the gain (`longdoc eval guard`)
+            line = json.loads(guard.read_text())["line"].replace("guard: ", "", 1)
+            lines.append(f"  - no-harm check on real legal text never trained on: {line} "
+                         f"([{name}/guard.md]({prefix}{name}/guard.md))")
     return "\n".join(lines)
 
 

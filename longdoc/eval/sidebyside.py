@@ -41,19 +41,19 @@ def figure(qa: dict[str, Any], guard: dict[str, Any]):
         left.bar([i + off for i in x], [qa["by_kind"][k]["f1"][side] for k in kinds], width=0.4, label=label)
     left.set_xticks(list(x), kinds, rotation=30, ha="right")
     left.set_ylabel("F1")
-    left.set_ylim(0, 1)
+    left.set_ylim(0, 1.15)  # room for the legend above the bars
     left.set_title(f"held-out QA: F1 {qa['overall']['f1']['a']:.2f} -> {qa['overall']['f1']['b']:.2f}")
-    left.legend()
+    left.legend(loc="upper center", ncol=2)
     needle = guard["plot"]["needle"]
     labels = [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in needle["lengths"]]
     for off, side, label in ((-0.2, "a", "base"), (0.2, "b", "tuned")):
         right.bar([i + off for i in range(len(labels))], [v or 0 for v in needle[side]], width=0.4, label=label)
     right.set_xticks(range(len(labels)), labels)
-    right.set_ylim(0, 1)
+    right.set_ylim(0, 1.15)
     right.set_xlabel("context length")
     right.set_ylabel("needle accuracy")
     right.set_title(f"no-harm check on held-out real text: {guard['verdict']}")
-    right.legend()
+    right.legend(loc="upper center", ncol=2)
     fig.tight_layout()
     return fig
 
