@@ -63,8 +63,8 @@ def train_with_skewed_batch(rank: int, world_size: int, recipe: dict, overrides:
 
     collate, calls = data.collate, {"n": 0}
 
-    def skewed(seqs, idx, pad_id):
-        batch = collate(seqs, idx, pad_id)
+    def skewed(seqs, idx, pad_id, step=None):
+        batch = collate(seqs, idx, pad_id, step)
         calls["n"] += 1
         if rank == 1 and calls["n"] == 2:
             batch = {k: torch.cat([v, v[:, :8]], dim=1) for k, v in batch.items()}
