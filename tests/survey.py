@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-TOL = 1e-5  # relative; the CP core merges softmax blocks in fp32 (DESIGN.md), so float64 runs agree to ~1e-7
+TOL = 1e-5  # relative; the CP core merges softmax blocks in fp32 (docs/design.md), so float64 runs agree to ~1e-7
 TOL_FP32 = 1e-4  # where a kernel has no float64 (the tests' fp32 gradient tolerance)
 OWN_FLOOR = 4  # above TOL, up to TOL_FP32: exact if within this x the model's own floor (_own_floor)
 ZERO_FP64, ZERO_FP32 = 1e-4, 1e-2  # below this x the largest gradient entry, a gradient is numerically 0

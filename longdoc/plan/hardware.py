@@ -79,7 +79,7 @@ DEVICES: dict[str, Device] = {
     # weights (Python, torch, transformers, accelerate, gloo), measured on this project's machines (135M at 1 layer,
     # cp=2, a tensor tracker: 0.612 GiB RSS at the first forward with 0.119 GiB of live tensors); assumes
     # freed memory goes back to the OS (longdoc.train.metrics.return_freed_memory).
-    # peak_tflops: the ~70 GFLOP/s per core that the CPU flash-attention kernels reach (DESIGN.md).
+    # peak_tflops: the ~70 GFLOP/s per core that the CPU flash-attention kernels reach (docs/design.md).
     "cpu": Device(name="CPU process (fp32, gloo)", memory_gib=16.0, peak_tflops=0.07, hbm_gbps=10.0,
                   nvlink_gbps=0.6, ib_gbps=0.6, gpu=False, compute_bytes=4, weight_bytes=4, runtime_gib=0.49,
                   slack=0.0, achieved=True, attention_knee_tokens=180.0),

@@ -20,7 +20,7 @@ from tests.hf_hybrids_linear import FAMILIES, float64_delta_rule, linear_pair
 # Batches from tests.hf_cases: rows of LENGTH tokens, one left-padded by LEAD, and a packed row of DOCS (a one-token
 # document, shorter than the conv kernel, and documents crossing chunks).
 # logits (max abs), loss (rel), grads (max abs error / max abs, per parameter), all grads (rel L2 norm)
-# float64: the attention layers' CP softmax merges in fp32 (DESIGN.md), so 1e-7-level agreement, not 1e-15.
+# float64: the attention layers' CP softmax merges in fp32 (docs/design.md), so 1e-7-level agreement, not 1e-15.
 # bfloat16: errors against the fp32 reference as RATIOS to one bf16 process's own errors against it (a bf16 run of
 # these tiny models is itself up to ~1.5 off in logits): CP in bf16 must be no worse than one process in bf16.
 TOL = {torch.float64: (1e-5, 1e-6, 1e-4, 1e-6), torch.float32: (1e-4, 1e-5, 1e-4, 1e-5),

@@ -1,4 +1,4 @@
-"""The `longdoc` command line: every verb of DESIGN.md is registered; `longdoc env` runs."""
+"""The `longdoc` command line: every verb of docs/design.md is registered; `longdoc env` runs."""
 
 
 def test_cli_env_and_help_list_every_verb(capsys):

@@ -15,7 +15,7 @@ PACKAGE = ROOT / "longdoc"
 MAX_LINES = 400
 REGISTRY_NAMES = {"AttentionInterface", "AttentionMaskInterface", "_global_mapping"}
 
-# layer -> the longdoc packages it must never import (DESIGN.md: each layer depends only on those above it)
+# layer -> the longdoc packages it must never import (docs/design.md: each layer depends only on those above it)
 FORBIDDEN = {
     "longdoc.hf": ("longdoc.train", "longdoc.eval", "longdoc.bench", "longdoc.corpus", "longdoc.plan"),
     "longdoc.corpus": ("longdoc.train", "longdoc.eval", "longdoc.bench"),
@@ -236,7 +236,7 @@ def test_layers_import_only_layers_above_them():
         for m in graph():
             if _within(m, layer) and (chain := _import_chain(graph(), m, forbidden)):
                 bad.append(_describe(chain))
-    assert not bad, "layer violations (see DESIGN.md, Layers):\n" + "\n".join(bad)
+    assert not bad, "layer violations (see docs/design.md, Layers):\n" + "\n".join(bad)
 
 
 def test_layer_check_follows_imports_through_other_modules():
