@@ -33,7 +33,7 @@ def default_dir() -> Path:
 def _files_digest(path: Path) -> str:
     """SHA-256 over a file's or folder's files (relative names and contents); memoised by name, size and mtime."""
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    stamp = (str(path.resolve()), tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files))
+    stamp = (str(path.resolve()), tuple((str(p), st.st_size, st.st_mtime_ns) for p in files for st in [p.stat()]))
     if stamp not in _digests:
         h = hashlib.sha256()
         for p in files:
@@ -72,7 +72,7 @@ def key(model: str, cfg: dict[str, Any]) -> str | None:
     if digest is None:
         return None
     settings = {k: v for k, v in sorted(cfg.items()) if k not in _VOLATILE}
-    inputs = {k: _inputs(v) for k, v in settings.items() if _inputs(v)}
+    inputs = {k: digests for k, digests in ((k, _inputs(v)) for k, v in settings.items()) if digests}
     blob = json.dumps({"model": digest, "settings": settings, "inputs": inputs,
                        "versions": [longdoc.__version__, torch.__version__, transformers.__version__]},
                       sort_keys=True, default=str)
