@@ -173,12 +173,13 @@ def _check_form(module: torch.nn.Module, parts: tuple[str, ...], where: str) -> 
     missing = [p for p in parts if not hasattr(module, p)]
     if missing:
         raise UnsupportedFeatureError(f"tiled MLP: {where} ({name}) has no {missing}: this transformers version "
-                                      f"changed {name}; turn train.tiled_mlp off")
+                                      f"changed {name}; turn parallelism.tiled_mlp off")
     for sub_name, sub in module.named_modules():
         if isinstance(sub, torch.nn.Dropout) and sub.p > 0:
             raise UnsupportedFeatureError(f"tiled MLP: {where}.{sub_name} is dropout with p={sub.p}; the tiles "
                                           f"would draw other masks than the untiled MLP. Set that dropout to 0 "
-                                          f"(the model's config, or lora.dropout) or turn train.tiled_mlp off")
+                                          f"(the model's config, or lora.dropout) or turn parallelism.tiled_mlp "
+                                          f"off")
 
 
 def _wrap(module: torch.nn.Module, kind: type, tile: int) -> None:
@@ -202,7 +203,7 @@ def _tile_one(mlp: torch.nn.Module, where: str, tile: int) -> int:
         if type(ex).__name__ not in EXPERTS:
             raise UnsupportedFeatureError(f"tiled MLP: {where}.{experts} is {type(ex).__name__}, an experts class "
                                           f"longdoc does not know how to tile (known: {sorted(EXPERTS)}); turn "
-                                          f"train.tiled_mlp off")
+                                          f"parallelism.tiled_mlp off")
         _check_form(ex, EXPERTS[type(ex).__name__], f"{where}.{experts}")
         _wrap(ex, _ExpertsForward, tile)
         count = 1
@@ -211,7 +212,7 @@ def _tile_one(mlp: torch.nn.Module, where: str, tile: int) -> int:
         return count
     raise UnsupportedFeatureError(f"tiled MLP: {where} is {name}, an MLP class longdoc does not know how to tile "
                                   f"(known: {sorted(DENSE)} and the MoE blocks {sorted(MOE_BLOCKS)}); turn "
-                                  f"train.tiled_mlp off")
+                                  f"parallelism.tiled_mlp off")
 
 
 def _decoder_layers(model) -> list[tuple[str, torch.nn.Module]]:
@@ -241,7 +242,7 @@ def tile_mlps(model, tile_tokens: int | None = None) -> int:
                 count += _tile_one(mlp, f"{lname}.{attr}", tile)
     if count == 0:
         raise UnsupportedFeatureError(f"tiled MLP: no decoder layer of {type(model).__name__} has an MLP under "
-                                      f"{MLP_ATTRS}; turn train.tiled_mlp off")
+                                      f"{MLP_ATTRS}; turn parallelism.tiled_mlp off")
     return count
 
 

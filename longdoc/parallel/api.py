@@ -50,7 +50,7 @@ def _ulysses_width(cp, strategy: str) -> int:
             divisors = [d for d in range(1, cp.size + 1) if cp.size % d == 0]
             raise ValueError(f"strategy='usp' factors the CP group as ring_size x ulysses_size; "
                              f"create it with ContextParallel(group, ulysses_size=U), U one of {divisors} (recipes: "
-                             f"ulysses_size), or use strategy='ulysses' (U = the whole group) or 'ring'")
+                             f"parallelism.ulysses_size), or use strategy='ulysses' (U = the whole group) or 'ring'")
         return cp.ulysses_size
     return 1
 

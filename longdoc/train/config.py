@@ -1,6 +1,6 @@
 """Typed training recipes: YAML + `key=value` overrides -> checked dataclasses.
 
-    recipe = load_recipe("recipes/cpu-demo.yaml", ["train.steps=5", "cp_size=2", "resume=true"])
+    recipe = load_recipe("recipes/cpu-demo.yaml", ["train.steps=5", "parallelism.cp_size=2", "resume=true"])
 
 Every section is a `@dataclass(kw_only=True, slots=True)` whose `__post_init__` checks its values,
 so a bad recipe fails at load time, before a model is loaded or a process group is joined. An
@@ -21,6 +21,8 @@ import yaml
 
 from longdoc.parallel.api import STRATEGIES, Strategy
 from longdoc.parallel.layout import LAYOUTS, Layout
+from longdoc.train.data_config import DataConfig, MixSource  # noqa: F401 - MixSource re-exported
+from longdoc.train.moved_keys import check_moved
 from longdoc.train.recipe_parse import RecipeError, Tokens, parse_overrides  # noqa: F401 - re-exported
 from longdoc.train.recipe_parse import build as _build
 from longdoc.train.recipe_parse import check as _check
@@ -30,12 +32,6 @@ from longdoc.train.recipe_parse import set_dotted as _set_dotted
 Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = typing.get_args(Dtype)
 OnNonfinite = Literal["skip", "abort"]
-Task = Literal["qa", "pretrain", "chat"]
-ChatLoss = Literal["assistant", "all"]
-Truncation = Literal["left", "right"]
-# data.mix sources: QA rows, LM loss on the documents themselves, plain text the user points to (replay),
-# and text the base model generates itself (self-synthesised rehearsal; longdoc.corpus.rehearsal)
-MixKind = Literal["qa", "documents", "text", "rehearsal"]
 Decay = Literal["cosine", "linear", "constant"]
 MIXED = ("auto", "no", "bf16")
 ROPE_TYPES = ("linear", "yarn")
@@ -89,93 +85,6 @@ class LoraConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class MixSource:
-    """One source of a training mix (`data.mix`): which rows, how often, and how their tokens count.
-
-    The loss of an optimizer step is sum(w * CE) / sum(w) over every target token of the step (w: the
-    token's loss weight below) plus, where kl_weight > 0, kl_weight-weighted KL(base || tuned) summed over
-    those tokens / their count: both exact under any dp x cp layout (longdoc/train/loss.py)."""
-
-    source: MixKind = "qa"
-    path: str = ""  # qa/documents/text: like data.path; rehearsal: the cache file (default: a cache folder)
-    weight: float = 1.0  # share of the training rows drawn from this source (normalised over the mix)
-    loss_weight: float = 1.0  # loss weight of the source's own targets: answers (qa) or every token
-    document_loss_weight: float = 0.0  # qa: loss weight of the document tokens of each row (0: answers only)
-    kl_weight: float = 0.0  # KL toward the frozen base (LoRA) on the context tokens: qa documents, else every token
-    # document loss and KL at only n of a row's N context positions, drawn per (seed, source, row, optimizer step)
-    context_positions: Tokens | None = None  # and weighted x N/n: unbiased, sum(w) kept (train.weights); null: all N
-    pack: bool = False  # documents/text/rehearsal: pack short documents into rows of data.seq_len
-    text_field: str | None = None  # documents/text: the text field (null picks text/document/content)
-    questions_per_row: int | None = None  # qa: as data.questions_per_row
-    max_sequences: int | None = None  # use only the first N rows (documents) of this source
-    samples: int = 64  # rehearsal: conversations the base model generates (once, then cached)
-    max_new_tokens: Tokens = 384  # rehearsal: tokens per generated turn
-    seed: int = 0  # rehearsal: sampling seed
-
-    def __post_init__(self):
-        kinds = typing.get_args(MixKind)
-        _check(self.source in kinds, "data.mix.source", f"must be one of {kinds}, got {self.source!r}")
-        _check(self.source == "rehearsal" or bool(self.path), "data.mix.path",
-               f"a {self.source!r} source needs a path (documents, text or prepared rows, like data.path)")
-        _check(self.weight > 0, "data.mix.weight", f"must be positive (a share of the rows), got {self.weight}")
-        for name in ("loss_weight", "document_loss_weight", "kl_weight"):
-            _check(getattr(self, name) >= 0, f"data.mix.{name}", f"must be >= 0, got {getattr(self, name)}")
-        _check(self.source == "qa" or self.document_loss_weight == 0, "data.mix.document_loss_weight",
-               "applies to qa sources only (documents/text sources already train on every token)")
-        _check(self.source != "qa" or not self.pack, "data.mix.pack", "applies to documents/text/rehearsal "
-               "sources (a QA row already holds one document and its questions)")
-        n, sampled = self.context_positions, self.document_loss_weight + self.kl_weight
-        _check(n is None or (n > 0 and sampled > 0), "data.mix.context_positions", f"must be null (every context "
-               f"token) or a positive count on a source with document_loss_weight or kl_weight > 0, got {n}")
-        _check(self.loss_weight + self.document_loss_weight + self.kl_weight > 0, "data.mix.loss_weight",
-               "this source would contribute nothing: give it a loss_weight, document_loss_weight or kl_weight")
-        _check(self.max_sequences is None or self.max_sequences > 0, "data.mix.max_sequences", "must be positive")
-        _check(self.questions_per_row is None or self.questions_per_row > 0, "data.mix.questions_per_row",
-               "must be positive, or null for all that fit")
-        _check(self.samples > 0 and self.max_new_tokens > 0, "data.mix.samples", "rehearsal samples and "
-               "max_new_tokens must be positive")
-
-    @property
-    def task(self) -> Task:
-        return "qa" if self.source == "qa" else "pretrain"
-
-
-@dataclass(kw_only=True, slots=True)
-class DataConfig:
-    path: str = ""  # documents (jsonl/json/parquet/csv/text folder/hub id), `longdoc data prepare` rows, "random"
-    seq_len: Tokens = 4096  # tokens per training sequence (window), before CP sharding
-    task: Task = "qa"  # for raw documents: "qa" (document + question -> answer, loss on answers) | "pretrain"
-    #   | "chat" (conversations: messages [{role, content}] or ShareGPT, in the model's chat template)
-    chat_loss: ChatLoss = "assistant"  # chat: loss on the assistant turns only, or on "all" tokens
-    truncation: Truncation = "left"  # chat: an over-long conversation loses its longest non-trained turn's start
-    text_field: str | None = None  # pretrain: the documents' text field; null picks text/document/content
-    max_sequences: int | None = None  # use only the first N windows (quick runs)
-    questions_per_row: int | None = None  # qa: question/answer turns per row; null = all of a document's that fit
-    shuffle: bool = True
-    random_size: int = 64  # number of sequences when path == "random" (benchmarks, tests)
-    pack: bool = False  # pretrain/chat from raw documents: pack short documents (conversations) into rows of seq_len
-    # several sources with weights instead of data.path (see MixSource); data.seq_len and shuffle apply to all
-    mix: list[MixSource] = field(default_factory=list)
-
-    def __post_init__(self):
-        _check(bool(self.path) or bool(self.mix), "data.path", "name a jsonl file or folder (make one with "
-               "`longdoc data synth --domain legal`), 'random' for random tokens, or give data.mix")
-        _check(not (self.path and self.mix), "data.mix", "cannot be combined with data.path: put that path in the "
-               "mix as a source ({source: qa, path: ...})")
-        _check(self.task in typing.get_args(Task), "data.task", f"must be one of {typing.get_args(Task)}, got "
-               f"{self.task!r}")
-        _check(self.chat_loss in typing.get_args(ChatLoss), "data.chat_loss",
-               f"must be one of {typing.get_args(ChatLoss)}, got {self.chat_loss!r}")
-        _check(self.truncation in typing.get_args(Truncation), "data.truncation",
-               f"must be one of {typing.get_args(Truncation)}, got {self.truncation!r}")
-        _check(self.seq_len >= 2, "data.seq_len", f"must be at least 2 tokens, got {self.seq_len}")
-        _check(self.max_sequences is None or self.max_sequences > 0, "data.max_sequences", "must be positive")
-        _check(self.questions_per_row is None or self.questions_per_row > 0, "data.questions_per_row",
-               f"must be positive, or null for all that fit, got {self.questions_per_row}")
-        _check(self.random_size > 0, "data.random_size", "must be positive")
-
-
-@dataclass(kw_only=True, slots=True)
 class OptimConfig:
     lr: float = 2e-4
     weight_decay: float = 0.0
@@ -207,19 +116,9 @@ class TrainConfig:
     micro_batch_size: int = 1  # sequences per forward pass per replica; accumulation makes up the rest
     mixed_precision: str = "auto"  # "auto" (bf16 on GPUs and bf16-native CPUs, else none) | "no" | "bf16"
     activation_checkpointing: bool = True
-    # keep each checkpointed layer's input in (pinned, on GPU) host memory, fetched back one layer ahead of its
-    # recompute on a side stream (longdoc.hf.offload); needs activation_checkpointing
-    offload_checkpoints: bool = False
-    # run every MLP over tiles of mlp_tile_tokens local tokens with recompute, so no (tokens x intermediate) tensor
-    # of the full local length exists (longdoc.hf.tiled_mlp); null tile: the model's hidden size (ALST's choice)
-    tiled_mlp: bool = False
-    mlp_tile_tokens: Tokens | None = None
     # CE over this many loss tokens at a time, so logits never exist in full; null (default): sized from the
     # vocabulary so the chunk's fp32 buffers stay under 256 MiB (longdoc.budgets: 448 tokens at SmolLM2's 49k)
     loss_chunk_tokens: Tokens | None = None
-    fsdp: bool = False  # shard parameters/gradients/optimizer with FSDP2 over dp x cp (GPU: NCCL; CPU: gloo)
-    layout: Layout = "zigzag"
-    strategy: Strategy = "ring"
     comm_timeout: float = 600.0  # seconds any collective may wait before the run fails
     # seconds without a heartbeat from another rank before this one stops and names it (a dead node is
     # reported within this, however long a step is; longdoc.train.peers); 0 turns the watch off
@@ -247,21 +146,48 @@ class TrainConfig:
         _check(self.batch_size % self.micro_batch_size == 0, "train.batch_size",
                f"must be a multiple of train.micro_batch_size ({self.micro_batch_size}), got {self.batch_size}")
         _check(self.mixed_precision in MIXED, "train.mixed_precision", f"must be one of {MIXED}")
-        _check(self.activation_checkpointing or not self.offload_checkpoints, "train.offload_checkpoints",
-               "offloads the layer checkpoints, so it needs train.activation_checkpointing=true")
-        _check(self.mlp_tile_tokens is None or self.mlp_tile_tokens > 0, "train.mlp_tile_tokens",
-               "must be positive, or null for the model's hidden size")
         _check(self.loss_chunk_tokens is None or self.loss_chunk_tokens > 0, "train.loss_chunk_tokens",
                "must be positive, or null to size it from the vocabulary")
-        # repeated from the Literal types for a TrainConfig built in code rather than from a recipe
-        _check(self.layout in LAYOUTS, "train.layout", f"must be one of {LAYOUTS}, got {self.layout!r}")
-        _check(self.strategy in STRATEGIES, "train.strategy", f"must be one of {STRATEGIES}, got {self.strategy!r}")
         _check(self.comm_timeout > 0, "train.comm_timeout", "must be positive seconds")
         _check(self.peer_timeout >= 0, "train.peer_timeout", "must be >= 0 seconds (0 turns the lost-peer watch off)")
         _check(self.ddp_bucket_cap_mb is None or self.ddp_bucket_cap_mb > 0, "train.ddp_bucket_cap_mb",
                "must be positive MB (or null for DDP's default)")
         _check(self.on_nonfinite in typing.get_args(OnNonfinite), "train.on_nonfinite", "must be 'skip' or 'abort'")
         _check(self.max_skipped_steps >= 0, "train.max_skipped_steps", "must be >= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelismConfig:
+    """How one sequence is split over the ranks and what each rank keeps of the model: world = dp x cp_size."""
+
+    cp_size: int = 1  # context-parallel group size; world = dp x cp
+    strategy: Strategy = "ring"
+    # strategy usp only: ranks per Ulysses group (a divisor of cp_size); cp = ring_size x ulysses_size
+    ulysses_size: int | None = None
+    layout: Layout = "zigzag"
+    fsdp: bool = False  # shard parameters/gradients/optimizer with FSDP2 over dp x cp (GPU: NCCL; CPU: gloo)
+    # keep each checkpointed layer's input in (pinned, on GPU) host memory, fetched back one layer ahead of its
+    # recompute on a side stream (longdoc.hf.offload); needs train.activation_checkpointing
+    offload_checkpoints: bool = False
+    # run every MLP over tiles of mlp_tile_tokens local tokens with recompute, so no (tokens x intermediate) tensor
+    # of the full local length exists (longdoc.hf.tiled_mlp); null tile: the model's hidden size (ALST's choice)
+    tiled_mlp: bool = False
+    mlp_tile_tokens: Tokens | None = None
+
+    def __post_init__(self):
+        _check(self.cp_size >= 1, "parallelism.cp_size", f"must be >= 1, got {self.cp_size}")
+        # repeated from the Literal types for a config built in code rather than from a recipe
+        _check(self.layout in LAYOUTS, "parallelism.layout", f"must be one of {LAYOUTS}, got {self.layout!r}")
+        _check(self.strategy in STRATEGIES, "parallelism.strategy",
+               f"must be one of {STRATEGIES}, got {self.strategy!r}")
+        divisors = [d for d in range(1, self.cp_size + 1) if self.cp_size % d == 0]
+        _check((self.strategy == "usp") == (self.ulysses_size is not None), "parallelism.ulysses_size",
+               f"goes with parallelism.strategy=usp, which factors cp_size={self.cp_size} as ring x Ulysses: set "
+               f"both (ulysses_size one of {divisors}) or neither; got {self.ulysses_size} with {self.strategy!r}")
+        _check(self.ulysses_size is None or self.ulysses_size in divisors, "parallelism.ulysses_size",
+               f"must be a divisor of cp_size={self.cp_size} ({divisors}), got {self.ulysses_size!r}")
+        _check(self.mlp_tile_tokens is None or self.mlp_tile_tokens > 0, "parallelism.mlp_tile_tokens",
+               "must be positive, or null for the model's hidden size")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -318,9 +244,6 @@ class EvalConfig:
 @dataclass(kw_only=True, slots=True)
 class Recipe:
     output_dir: str = "runs/default"
-    cp_size: int = 1  # context-parallel group size; world = dp x cp
-    # train.strategy=usp only: ranks per Ulysses group (a divisor of cp_size); cp = ring_size x ulysses_size
-    ulysses_size: int | None = None
     # true: continue from the latest complete checkpoint in OUTPUT/checkpoints, refused when there is none (a typo in
     # output_dir must not restart a long run); "auto": continue if there is one, else start at step 0; false: start
     resume: bool | Literal["auto"] = False
@@ -331,19 +254,16 @@ class Recipe:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self):
         _check(bool(self.output_dir), "output_dir", "must name a folder for checkpoints, logs and the model")
-        _check(self.cp_size >= 1, "cp_size", f"must be >= 1, got {self.cp_size}")
-        divisors = [d for d in range(1, self.cp_size + 1) if self.cp_size % d == 0]
-        _check((self.train.strategy == "usp") == (self.ulysses_size is not None), "ulysses_size",
-               f"goes with train.strategy=usp, which factors cp_size={self.cp_size} as ring x Ulysses: set both "
-               f"(ulysses_size one of {divisors}) or neither; got {self.ulysses_size} with {self.train.strategy!r}")
-        _check(self.ulysses_size is None or self.ulysses_size in divisors, "ulysses_size",
-               f"must be a divisor of cp_size={self.cp_size} ({divisors}), got {self.ulysses_size!r}")
+        _check(self.train.activation_checkpointing or not self.parallelism.offload_checkpoints,
+               "parallelism.offload_checkpoints",
+               "offloads the layer checkpoints, so it needs train.activation_checkpointing=true")
         _check(isinstance(self.resume, bool) or self.resume == "auto", "resume",
                f"must be true, false or 'auto', got {self.resume!r}")
         _check(not (self.resume and self.overwrite), "overwrite",
@@ -381,6 +301,7 @@ def recipe_from_dict(data: dict | None, overrides: list[str] | None = None) -> R
         raise RecipeError("a recipe must be a YAML mapping of keys to values")
     for key, value in parse_overrides(overrides or []):
         _set_dotted(tree, key, value)
+    check_moved(tree)
     return _build(Recipe, tree)
 
 

@@ -1,6 +1,6 @@
 """The model a recipe trains: load, extend RoPE, add LoRA, checkpoint activations, patch for CP, export.
 
-    model, tokenizer = build(recipe.model, recipe.lora, recipe.train, cp)
+    model, tokenizer = build(recipe.model, recipe.lora, recipe.train, recipe.parallelism, cp, recipe.data.seq_len)
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from longdoc.io import building_dir
-from longdoc.train.config import LoraConfig, ModelConfig, RecipeError, TrainConfig
+from longdoc.train.config import LoraConfig, ModelConfig, ParallelismConfig, RecipeError, TrainConfig
 
 # recipe model.dtype (config.DTYPES) -> the torch dtype the weights are loaded in
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -108,7 +108,7 @@ def check_context(tokens: int, limit: int | None, *, what: str, extend: str, sho
                           f"{extend.format(factor=_factor(tokens, limit))}, or {shorten}")
 
 
-def build(mcfg: ModelConfig, lcfg: LoraConfig, tcfg: TrainConfig, cp, seq_len: int):
+def build(mcfg: ModelConfig, lcfg: LoraConfig, tcfg: TrainConfig, pcfg: ParallelismConfig, cp, seq_len: int):
     """(model, tokenizer): loaded, RoPE-extended, LoRA-wrapped, checkpointed and CP-patched; train mode."""
     import longdoc
 
@@ -126,19 +126,19 @@ def build(mcfg: ModelConfig, lcfg: LoraConfig, tcfg: TrainConfig, cp, seq_len: i
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if lcfg.enabled:
-        if tcfg.fsdp:
-            raise RecipeError("lora.enabled with train.fsdp is not supported: a LoRA run keeps the frozen base "
-                              "replicated (DDP); set train.fsdp=false or lora.enabled=false")
+        if pcfg.fsdp:
+            raise RecipeError("lora.enabled with parallelism.fsdp is not supported: a LoRA run keeps the frozen base "
+                              "replicated (DDP); set parallelism.fsdp=false or lora.enabled=false")
         model = _add_lora(model, lcfg)
-    if tcfg.offload_checkpoints:  # after LoRA: peft may set the checkpointing up again
+    if pcfg.offload_checkpoints:  # after LoRA: peft may set the checkpointing up again
         from longdoc.hf.offload import offload_checkpoints
 
         offload_checkpoints(model)
-    if tcfg.tiled_mlp:
+    if pcfg.tiled_mlp:
         from longdoc.hf.tiled_mlp import tile_mlps
 
-        tile_mlps(model, tcfg.mlp_tile_tokens)
-    longdoc.patch(model, cp, strategy=tcfg.strategy)
+        tile_mlps(model, pcfg.mlp_tile_tokens)
+    longdoc.patch(model, cp, strategy=pcfg.strategy)
     model.train()
     return model, tokenizer
 

@@ -18,7 +18,7 @@ is first checked across its group by sequence number and op tag (longdoc.paralle
 
 Two Accelerate traps on CPU-only machines look like success and are refused here:
 - `accelerate launch --cpu` / `use_cpu: true` starts ONE process (unless mpirun is set up), so a
-  cp_size=2 recipe would silently train without context parallelism;
+  parallelism.cp_size=2 recipe would silently train without context parallelism;
 - `Accelerator()` without `cpu=True` on a machine without CUDA leaves every rank on its own.
 """
 
@@ -58,8 +58,8 @@ class World:
     groups: Groups | None = None
     debug_collectives: bool = False
     peers: PeerWatch | None = None  # lost-peer detection (longdoc.train.peers); None on one process
-    fsdp: bool = False  # train.fsdp in effect: asked for, over more than one process (`shards`)
-    shard_on_cpu: bool = False  # train.fsdp on CPU: the loop applies FSDP2 itself (shard_state), not Accelerate
+    fsdp: bool = False  # parallelism.fsdp in effect: asked for, over more than one process (`shards`)
+    shard_on_cpu: bool = False  # parallelism.fsdp on CPU: the loop applies FSDP2 itself (shard_state), not Accelerate
 
     def close(self, finished: bool = True) -> None:
         """The end of this rank's run: stop the peer watch (`finished`: tell the peers this rank is done)."""
@@ -82,8 +82,8 @@ class World:
         return all_reduce(values, op, g.scalars, self.device, g.guard("scalars"), what)
 
     def shard_state(self, loss_model: torch.nn.Module) -> torch.nn.Module:
-        """train.fsdp on CPU: FSDP2 (fully_shard) over all dp x cp ranks on gloo, each decoder layer a unit and the
-        rest (embeddings, head, norm) the root's, so weights, gradients and AdamW moments are 1/world per rank
+        """parallelism.fsdp on CPU: FSDP2 (fully_shard) over all dp x cp ranks on gloo, each decoder layer a unit and
+        the rest (embeddings, head, norm) the root's, so weights, gradients and AdamW moments are 1/world per rank
         instead of replicated. Its own 1-D mesh (a new process group): FSDP's all-gathers and reduce-scatters,
         issued from autograd hooks, never share a group with the CP ring or the scalar reductions. Before the
         optimizer is built: fully_shard replaces the parameters."""
@@ -99,7 +99,7 @@ class World:
         return loss_model
 
     def prepare(self, loss_model: torch.nn.Module, make_optimizer) -> tuple[torch.nn.Module, Any]:
-        """(model, optimizer) ready to train: Accelerate's prepare (DDP, or FSDP2 on GPUs). train.fsdp on CPU:
+        """(model, optimizer) ready to train: Accelerate's prepare (DDP, or FSDP2 on GPUs). parallelism.fsdp on CPU:
         shard_state first (the optimizer then holds the shards), the optimizer alone through Accelerate, and the
         forward under its autocast, as its prepare would have wrapped it; never DDP around the sharded model."""
         acc = self.accelerator
@@ -137,34 +137,34 @@ class World:
 
 
 def shards(recipe: Recipe, world_size: int) -> bool:
-    """Whether the recipe's train.fsdp shards anything on `world_size` processes. One process has nothing to shard
+    """Whether the recipe's parallelism.fsdp shards anything on `world_size` processes. One process has nothing to shard
     (and on CPU without a launcher FSDP's mesh would fail, wanting the launcher's RANK for an env:// rendezvous),
     so there it trains as a plain single process. Pure: identical on every rank."""
-    return recipe.train.fsdp and world_size > 1
+    return recipe.parallelism.fsdp and world_size > 1
 
 
 def check_launch(recipe: Recipe, world_size: int, cuda: bool) -> tuple[int, int]:
     """(dp, cp) for a recipe launched on `world_size` processes, or a RecipeError naming the fix. Pure:
     identical on every rank."""
-    cp = recipe.cp_size
+    cp = recipe.parallelism.cp_size
     if world_size == 1 and cp > 1:
         hint = ""
         if os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
             hint = (" This process was started with `--cpu`/`use_cpu: true`, which starts a single process "
                     "without mpirun.")
-        raise RecipeError(f"cp_size={cp} needs at least {cp} processes, but this run has 1.{hint} Launch with "
-                          + (f"`accelerate launch --num_processes {cp} -m longdoc train RECIPE`" if cuda
-                             else CPU_LAUNCH) + ", or set cp_size=1")
+        raise RecipeError(f"parallelism.cp_size={cp} needs at least {cp} processes, but this run has 1.{hint} "
+                          "Launch with " + (f"`accelerate launch --num_processes {cp} -m longdoc train RECIPE`"
+                                            if cuda else CPU_LAUNCH) + ", or set parallelism.cp_size=1")
     if world_size % cp:
-        raise RecipeError(f"cp_size={cp} must divide the number of processes ({world_size}); use a cp_size among "
-                          f"{[d for d in range(1, world_size + 1) if world_size % d == 0]}")
+        raise RecipeError(f"parallelism.cp_size={cp} must divide the number of processes ({world_size}); use a "
+                          f"cp_size among {[d for d in range(1, world_size + 1) if world_size % d == 0]}")
     dp = world_size // cp
     t = recipe.train
     per_step = t.micro_batch_size * dp
     if t.batch_size % per_step:
         raise RecipeError(f"train.batch_size={t.batch_size} must be a multiple of train.micro_batch_size "
                           f"({t.micro_batch_size}) x data-parallel replicas ({dp} = {world_size} processes / "
-                          f"cp_size {cp}) = {per_step}")
+                          f"parallelism.cp_size {cp}) = {per_step}")
     return dp, cp
 
 
@@ -197,9 +197,9 @@ def start(recipe: Recipe, log_with: list | None = None, wrap_classes: list[str] 
     expected = launched.world_size
     dp, cp = check_launch(recipe, expected, cuda)  # before joining anything: same error on every rank
     fsdp = shards(recipe, expected)
-    if recipe.train.fsdp and not fsdp:
-        print("longdoc train: train.fsdp=true on one process: nothing to shard, so it trains as one plain process "
-              "(FSDP shards over 2 or more)", flush=True)
+    if recipe.parallelism.fsdp and not fsdp:
+        print("longdoc train: parallelism.fsdp=true on one process: nothing to shard, so it trains as one plain "
+              "process (FSDP shards over 2 or more)", flush=True)
     mixed = resolve_mixed_precision(recipe.train.mixed_precision, cuda)
     timeout = datetime.timedelta(seconds=recipe.train.comm_timeout)
     accelerator = Accelerator(
@@ -224,8 +224,8 @@ def start(recipe: Recipe, log_with: list | None = None, wrap_classes: list[str] 
     debug = recipe.train.debug_collectives or debug_collectives_from_env()
     groups = make_groups(dp, cp, device.type, timeout, debug_collectives=debug, fsdp=fsdp)
     # usp: ContextParallel factors the CP group into its "cp_ring" x "cp_ulysses" axes (collective over the group)
-    ctx = ContextParallel(groups.cp, layout=recipe.train.layout, timeout=timeout, debug_collectives=debug,
-                          ulysses_size=recipe.ulysses_size)
+    ctx = ContextParallel(groups.cp, layout=recipe.parallelism.layout, timeout=timeout, debug_collectives=debug,
+                          ulysses_size=recipe.parallelism.ulysses_size)
     # across nodes only: inside one node the launcher itself stops every rank when one dies
     peers = PeerWatch(rank, world_size, recipe.train.peer_timeout, node=launched.node) if launched.nodes > 1 else None
     return World(fsdp=fsdp, shard_on_cpu=fsdp and not cuda,

@@ -59,7 +59,7 @@ def test_cli_run_writes_only_inside_output_dir_and_refuses_damage_clearly(tmp_pa
 def train_with_skewed_batch(rank: int, world_size: int, recipe: dict, overrides: list[str]):
     """Rank 1's collate returns a batch 8 tokens longer than rank 0's in step 2: a data bug on one CP rank."""
     accelerate_env(rank, world_size)
-    from longdoc.train import data, loop, recipe_from_dict
+    from longdoc.train import data, loop, recipe_from_dict, step
 
     collate, calls = data.collate, {"n": 0}
 
@@ -70,7 +70,7 @@ def train_with_skewed_batch(rank: int, world_size: int, recipe: dict, overrides:
             batch = {k: torch.cat([v, v[:, :8]], dim=1) for k, v in batch.items()}
         return batch
 
-    loop.collate = skewed
+    step.collate = skewed
     try:
         loop.train(recipe_from_dict(recipe, overrides))
     except Exception as e:  # noqa: BLE001 - the test compares what each rank raised
