@@ -372,18 +372,18 @@ def recipe_plans() -> str:
              "|---|---|---:|---:|---:|"]
     for files, gpus, gpu in RECIPE_PLANS:
         r = load_recipe(ROOT / "recipes" / files[0], [])
-        t = r.train
+        t, par = r.train, r.parallelism
         model = r.model.name.split("/")[-1].removesuffix("-Instruct")
-        accumulate = t.batch_size // (t.micro_batch_size * (gpus // r.cp_size))
-        options = (f"--model {model} --seq-len {r.data.seq_len // 1024}k --gpus {gpus} --gpu {gpu} --cp {r.cp_size}"
+        accumulate = t.batch_size // (t.micro_batch_size * (gpus // par.cp_size))
+        options = (f"--model {model} --seq-len {r.data.seq_len // 1024}k --gpus {gpus} --gpu {gpu} --cp {par.cp_size}"
                    f"{' --checkpointing' if t.activation_checkpointing else ''}"
                    f"{f' --loss-chunk {t.loss_chunk_tokens}' if t.loss_chunk_tokens else ''} "
-                   f"--strategy {t.strategy} --{'' if t.fsdp else 'no-'}fsdp "
-                   f"--{'' if t.offload_checkpoints else 'no-'}offload --{'' if t.tiled_mlp else 'no-'}tiled-mlp")
-        best = plan(PlanRequest(model=model, seq_len=r.data.seq_len, gpus=gpus, gpu=gpu, cp=r.cp_size,
+                   f"--strategy {par.strategy} --{'' if par.fsdp else 'no-'}fsdp "
+                   f"--{'' if par.offload_checkpoints else 'no-'}offload --{'' if par.tiled_mlp else 'no-'}tiled-mlp")
+        best = plan(PlanRequest(model=model, seq_len=r.data.seq_len, gpus=gpus, gpu=gpu, cp=par.cp_size,
                                 checkpointing=bool(t.activation_checkpointing), loss_chunk=t.loss_chunk_tokens,
-                                strategy=t.strategy, offload=t.offload_checkpoints, tiled_mlp=t.tiled_mlp,
-                                fsdp=t.fsdp)).best
+                                strategy=par.strategy, offload=par.offload_checkpoints, tiled_mlp=par.tiled_mlp,
+                                fsdp=par.fsdp)).best
         names = ", ".join(f"`{f}`" for f in files) + (" (same model and shape)" if len(files) > 1 else "")
         if best is None:
             lines.append(f"| {names} | `{options}` | does not fit | - | - |")

@@ -21,7 +21,7 @@ train() {
   mkdir -p $out
   cat > $out/recipe.yaml <<YAML
 output_dir: $out
-cp_size: 2
+parallelism: {cp_size: 2}
 model: {name: SmolLM2-135M-Instruct}
 lora: {enabled: true, r: 16, alpha: 32, target_modules: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]}
 data: {seq_len: 2048, mix: $mix}

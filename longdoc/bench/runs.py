@@ -64,9 +64,9 @@ class TrainRun:
     # pinned in the recipe (train.mixed_precision) so the planner predicts the run that happens; the default
     # is what `longdoc plan --gpu cpu` assumes: what `auto` picks on this machine (bf16 on native-bf16 CPUs)
     precision: Precision = field(default_factory=cpu_precision)
-    fsdp: bool = False  # train.fsdp: weights, gradients and AdamW moments sharded over the ranks (FSDP2 on gloo)
-    tiled_mlp: bool = False  # train.tiled_mlp
-    offload: bool = False  # train.offload_checkpoints (on CPU host == device: the hooks run, nothing moves)
+    fsdp: bool = False  # parallelism.fsdp: weights, gradients and AdamW moments sharded over the ranks (FSDP2 on gloo)
+    tiled_mlp: bool = False  # parallelism.tiled_mlp
+    offload: bool = False  # parallelism.offload_checkpoints (on CPU host == device: the hooks run, nothing moves)
     layers: int | None = None  # decoder layers (None: the model's own); fewer keep long runs short
 
     def __post_init__(self):
@@ -114,15 +114,15 @@ class TrainRun:
             model.update(rope_type="yarn", rope_factor=float(2 ** max(0, (self.seq_len - 1).bit_length() - 13)))
         return {
             "output_dir": output_dir,
-            "cp_size": self.cp,
             "model": model,
             "lora": {"enabled": self.lora},
             "data": {"path": "random", "seq_len": self.seq_len, "random_size": self.steps},
             "optim": {"warmup_steps": 0},
             "train": {"steps": self.steps, "batch_size": 1, "activation_checkpointing": self.checkpointing,
                       "loss_chunk_tokens": self.loss_chunk, "release_freed_memory": self.release_memory,
-                      "mixed_precision": "no" if self.precision == "fp32" else self.precision,
-                      "fsdp": self.fsdp, "tiled_mlp": self.tiled_mlp, "offload_checkpoints": self.offload},
+                      "mixed_precision": "no" if self.precision == "fp32" else self.precision},
+            "parallelism": {"cp_size": self.cp, "fsdp": self.fsdp, "tiled_mlp": self.tiled_mlp,
+                            "offload_checkpoints": self.offload},
             "checkpoint": {"every": 0, "at_end": False, "export": False},
             "log": {"progress": False, "tensorboard": False, "plot": False},
         }

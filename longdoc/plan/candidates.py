@@ -43,14 +43,15 @@ class Candidate:
     def recipe_keys(self) -> str:
         """The recipe overrides that train this configuration (`longdoc train RECIPE key=value ...`)."""
         s = self.setup
-        keys = [f"cp_size={s.cp}", f"train.strategy={s.strategy}",
-                f"train.activation_checkpointing={str(s.checkpointing).lower()}"]
+        keys = [f"parallelism.cp_size={s.cp}", f"parallelism.strategy={s.strategy}"]
         if s.strategy == "usp":
-            keys.append(f"ulysses_size={s.ulysses_size}")  # a top-level recipe key, beside cp_size
-        keys += [f"train.fsdp={str(s.uses_fsdp).lower()}", f"train.offload_checkpoints={str(s.offload).lower()}",
-                 f"train.tiled_mlp={str(s.tiled_mlp).lower()}"]
+            keys.append(f"parallelism.ulysses_size={s.ulysses_size}")
+        keys += [f"parallelism.fsdp={str(s.uses_fsdp).lower()}",
+                 f"parallelism.offload_checkpoints={str(s.offload).lower()}",
+                 f"parallelism.tiled_mlp={str(s.tiled_mlp).lower()}"]
         if s.tiled_mlp and s.mlp_tile:
-            keys.append(f"train.mlp_tile_tokens={s.mlp_tile}")
+            keys.append(f"parallelism.mlp_tile_tokens={s.mlp_tile}")
+        keys.append(f"train.activation_checkpointing={str(s.checkpointing).lower()}")
         if s.loss_chunk:
             keys.append(f"train.loss_chunk_tokens={s.loss_chunk}")
         if s.micro_batch > 1:  # the step's batch: one micro-batch per replica (more accumulates, same memory)

@@ -59,17 +59,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "answers, e.g. 125 for a 32k case file with 16 questions): the chunked loss builds logits "
                         "only for them")
     p.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
-                   help="layer checkpoints in host memory, fetched one layer ahead (train.offload_checkpoints; "
+                   help="layer checkpoints in host memory, fetched one layer ahead (parallelism.offload_checkpoints; "
                         "default: consider both on GPUs, recommended only when needed to fit)")
     p.add_argument("--tiled-mlp", action=argparse.BooleanOptionalAction, default=None,
-                   help="the MLP over token tiles with recompute (train.tiled_mlp; default: consider both, "
+                   help="the MLP over token tiles with recompute (parallelism.tiled_mlp; default: consider both, "
                         "recommended only when needed to fit)")
     p.add_argument("--mlp-tile", default=None, metavar="TOKENS",
-                   help="tokens per tile of the tiled MLP (train.mlp_tile_tokens, e.g. 512 or 2k; default: the "
+                   help="tokens per tile of the tiled MLP (parallelism.mlp_tile_tokens, e.g. 512 or 2k; default: the "
                         "hidden size, as training does)")
     p.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None,
-                   help="shard weights, gradients and AdamW moments over dp x cp (train.fsdp; default: FSDP2 for full "
-                        "fine-tuning on GPUs; on CPU both are considered)")
+                   help="shard weights, gradients and AdamW moments over dp x cp (parallelism.fsdp; default: FSDP2 "
+                        "for full fine-tuning on GPUs; on CPU both are considered)")
     p.add_argument("--layers", type=int, default=None,
                    help="plan the model at this depth (reduced-depth benchmark runs; default: the model's own)")
     p.add_argument("--longest", action="store_true",

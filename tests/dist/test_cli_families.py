@@ -32,9 +32,10 @@ def test_train_verify_and_eval_a_saved_family_model_at_cp2(arch, tmp_path, capsy
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("{}\n")
     out = tmp_path / "run"
-    rc = main(["train", str(recipe), f"output_dir={out}", f"model.name=tiny:{arch}", "cp_size=2", "data.path=random",
-               "data.seq_len=96", "data.random_size=4", "train.steps=2", "train.batch_size=2", "lora.enabled=false",
-               'train.mixed_precision="no"', "log.progress=false", "log.tensorboard=false", "log.plot=false"])
+    rc = main(["train", str(recipe), f"output_dir={out}", f"model.name=tiny:{arch}", "parallelism.cp_size=2",
+               "data.path=random", "data.seq_len=96", "data.random_size=4", "train.steps=2", "train.batch_size=2",
+               "lora.enabled=false", 'train.mixed_precision="no"', "log.progress=false", "log.tensorboard=false",
+               "log.plot=false"])
     printed = capsys.readouterr().out
     assert rc == 0 and "no launcher: starting 2 local CPU processes" in printed, printed
     final = out / "final"

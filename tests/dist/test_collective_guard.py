@@ -71,7 +71,7 @@ def _train_with_old_loss(rank: int, world_size: int, recipe: dict):
         return fixed(head, hidden, labels, chunk_tokens, weights)
 
     loss.chunked_ce_sum = old
-    train(recipe_from_dict(recipe, ["cp_size=2"]))
+    train(recipe_from_dict(recipe, ["parallelism.cp_size=2"]))
 
 
 def test_guard_names_the_parameter_without_gradient(tmp_path):

@@ -203,8 +203,8 @@ def _compare_train(tmp_path, runs) -> None:
     assert ce_aux[0] is None
     assert abs(ref_hist[0][1] - (ce_hist[0][1] + 0.3 * ref_aux[0])) <= 1e-5 * ref_hist[0][1]
     for name, world in runs:
-        for hist, grads, aux, _ in ranks(world, _train_rank, _recipe(tmp_path, name, 0.3), ["cp_size=2"], pin,
-                                         deadline=400):
+        for hist, grads, aux, _ in ranks(world, _train_rank, _recipe(tmp_path, name, 0.3), ["parallelism.cp_size=2"],
+                                         pin, deadline=400):
             for (s, loss, tok, gn), (s0, loss0, tok0, gn0) in zip(hist, ref_hist, strict=True):
                 assert (s, tok) == (s0, tok0)
                 assert abs(loss - loss0) <= 1e-5 * abs(loss0) and abs(gn - gn0) <= 1e-5 * gn0, (name, s)

@@ -107,9 +107,9 @@ def _wait_all(procs, logs, limit: float = 900) -> None:
 
 
 def _single_process(tmp: Path, recipe: Path) -> tuple[list[dict], dict]:
-    """The reference: the same recipe in one process (cp_size=1, the 2 sequences of a step accumulated)."""
-    out = subprocess.run([sys.executable, "-m", "longdoc", "train", str(recipe), "cp_size=1"], cwd=ROOT, env=ENV,
-                         capture_output=True, text=True, timeout=600)
+    """The reference: the same recipe in one process (parallelism.cp_size=1, the 2 sequences of a step accumulated)."""
+    out = subprocess.run([sys.executable, "-m", "longdoc", "train", str(recipe), "parallelism.cp_size=1"], cwd=ROOT,
+                         env=ENV, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     return _run_output(Path(yaml.safe_load(recipe.read_text())["output_dir"]))
 
@@ -143,7 +143,7 @@ def test_two_nodes_dp2_cp2_and_usp_cp4_equal_single_process(tmp_path):
     ref = _single_process(tmp_path, _recipe(tmp_path, "single"))
     # dp=2 x cp=2: each CP group is one node
     recipe = _recipe(tmp_path, "dp2cp2")
-    procs, record, logs = _start_nodes(tmp_path, "accelerate", recipe, ["cp_size=2"])
+    procs, record, logs = _start_nodes(tmp_path, "accelerate", recipe, ["parallelism.cp_size=2"])
     _wait_all(procs, logs)
     for rec in _records(record).values():
         assert rec["cp"] == [2 * rec["node"], 2 * rec["node"] + 1], rec  # inside the rank's own node
@@ -151,8 +151,9 @@ def test_two_nodes_dp2_cp2_and_usp_cp4_equal_single_process(tmp_path):
     _assert_same_run(_run_output(tmp_path / "dp2cp2"), ref)
     # usp cp=4: Ulysses pairs inside a node, the ring across the nodes
     recipe = _recipe(tmp_path, "usp")
-    procs, record, logs = _start_nodes(tmp_path, "accelerate", recipe,
-                                       ["cp_size=4", "train.strategy=usp", "ulysses_size=2"])
+    procs, record, logs = _start_nodes(tmp_path, "accelerate", recipe, ["parallelism.cp_size=4",
+                                                                        "parallelism.strategy=usp",
+                                                                        "parallelism.ulysses_size=2"])
     _wait_all(procs, logs)
     for rec in _records(record).values():
         node, local = rec["node"], rec["local_rank"]
@@ -181,7 +182,7 @@ def test_sigkill_of_one_node_stops_the_other_and_both_resume_exactly(tmp_path):
     recipe = _recipe(tmp_path, "run", steps=4)
     ref = _single_process(tmp_path, _recipe(tmp_path, "single", steps=4))
     out = tmp_path / "run"
-    ck = ["cp_size=2", "checkpoint.every=2", "checkpoint.export=true"]
+    ck = ["parallelism.cp_size=2", "checkpoint.every=2", "checkpoint.export=true"]
     procs, record, logs = _start_nodes(tmp_path, "torchrun", recipe, ck, stall=3)
     try:
         _wait_for([record / "stalled-2", record / "stalled-3", out / "checkpoints" / "step-00000002"], procs, 600)

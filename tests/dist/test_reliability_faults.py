@@ -36,7 +36,7 @@ def _free_port() -> int:
 
 def _recipe(tmp: Path, out: Path, **train) -> Path:
     r = {
-        "output_dir": str(out), "cp_size": 2,
+        "output_dir": str(out), "parallelism": {"cp_size": 2},
         "model": {"name": "tiny:llama", "overrides": {"vocab_size": 256}},
         "data": {"path": "random", "seq_len": 96, "random_size": 12},
         "train": {"steps": 4, "batch_size": 1, "loss_chunk_tokens": 16, "comm_timeout": 60.0, **train},

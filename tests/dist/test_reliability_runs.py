@@ -79,8 +79,8 @@ def train_with_skewed_batch(rank: int, world_size: int, recipe: dict, overrides:
 
 
 def test_cp_ranks_with_different_batch_shapes_stop_with_the_same_error(tmp_path):
-    out = run_ranks(2, train_with_skewed_batch, tiny_recipe(tmp_path / "run"), ["cp_size=2", "train.batch_size=1"],
-                    deadline=200)
+    out = run_ranks(2, train_with_skewed_batch, tiny_recipe(tmp_path / "run"),
+                    ["parallelism.cp_size=2", "train.batch_size=1"], deadline=200)
     assert out[0][0] == out[1][0] != "finished", out
     # cp.shard_batch compares the full batches before any attention runs: 96 tokens on rank 0, 104 on rank 1
     for _, msg in out:
@@ -88,8 +88,8 @@ def test_cp_ranks_with_different_batch_shapes_stop_with_the_same_error(tmp_path)
 
 
 def test_no_checkpoint_is_written_from_a_nonfinite_state(tmp_path):
-    overrides = ["cp_size=2", "train.steps=2", "train.batch_size=1", "checkpoint.every=1", "checkpoint.keep=5",
-                 "checkpoint.export=false"]
+    overrides = ["parallelism.cp_size=2", "train.steps=2", "train.batch_size=1", "checkpoint.every=1",
+                 "checkpoint.keep=5", "checkpoint.export=false"]
     out = run_ranks(2, train_with_nan_at, tiny_recipe(tmp_path / "abort"), overrides + ["train.on_nonfinite=abort"], 2)
     assert all(status == "aborted" for status, _ in out), out
     assert sorted(p.name for p in (tmp_path / "abort" / "checkpoints").iterdir()) == ["step-00000001"]

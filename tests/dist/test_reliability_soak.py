@@ -55,7 +55,7 @@ def test_200_steps_varying_lengths_cp2_memory_flat(tmp_path):
             n = 40 + 8 * i
             f.write(json.dumps({"input_ids": [(7 * j + i) % 256 for j in range(n)]}) + "\n")
     recipe = tiny_recipe(tmp_path / "run", data={"path": str(data), "seq_len": 336, "shuffle": True})
-    overrides = ["cp_size=2", f"train.steps={STEPS}", "train.batch_size=1", "checkpoint.export=false",
+    overrides = ["parallelism.cp_size=2", f"train.steps={STEPS}", "train.batch_size=1", "checkpoint.export=false",
                  "optim.warmup_steps=0"]
     out = run_ranks(2, soak, recipe, overrides, deadline=900)
     for rank, (rss, tensors) in enumerate(out):

@@ -12,8 +12,8 @@ from tests.training import max_rel_err, ranks, tiny_recipe, train_on_ranks, trai
 
 def test_dp_cp_equals_single_process(tmp_path):
     ref, ref_grads, pin = ranks(1, train_pinned, tiny_recipe(tmp_path / "single"), [], deadline=300)[0]
-    cp2 = ranks(2, train_pinned, tiny_recipe(tmp_path / "cp2"), ["cp_size=2"], pin, deadline=300)
-    dpcp = ranks(4, train_pinned, tiny_recipe(tmp_path / "dp2cp2"), ["cp_size=2"], pin, deadline=400)
+    cp2 = ranks(2, train_pinned, tiny_recipe(tmp_path / "cp2"), ["parallelism.cp_size=2"], pin, deadline=300)
+    dpcp = ranks(4, train_pinned, tiny_recipe(tmp_path / "dp2cp2"), ["parallelism.cp_size=2"], pin, deadline=400)
     w_ref = load_file(tmp_path / "single" / "final" / "model.safetensors")
     errs = {}
     for name, hist in (("cp2", cp2), ("dp2cp2", dpcp)):
@@ -55,7 +55,7 @@ def test_lora_cp2_learns_with_bounded_logits(tmp_path):
                       optim={"lr": 1e-2, "warmup_steps": 0, "max_grad_norm": 1.0},
                       train={"steps": 8, "batch_size": 2, "loss_chunk_tokens": 32},
                       log={"progress": False, "tensorboard": True, "plot": True})
-    hist, _ = ranks(2, train_on_ranks, rec, ["cp_size=2"])[0]
+    hist, _ = ranks(2, train_on_ranks, rec, ["parallelism.cp_size=2"])[0]
     losses = [loss for _, loss, _, _ in hist]
     # the same two sequences every step: the loss falls at every step, by ~0.8 nats over 8 steps
     assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < losses[0] - 0.4, losses

@@ -46,7 +46,7 @@ def _compare(ref, ref_grads, hist, grads, dtype: str) -> float:
 @pytest.mark.parametrize("mode", ["bf16", "bf16-base"])
 def test_cpu_bf16_cp2_equals_single_process(tmp_path, mode):
     ref, ref_grads = ranks(1, train_on_ranks, _recipe(tmp_path / "one", mode), [], deadline=400)[0]
-    cp2 = ranks(2, train_on_ranks, _recipe(tmp_path / "cp2", mode), ["cp_size=2"], deadline=400)
+    cp2 = ranks(2, train_on_ranks, _recipe(tmp_path / "cp2", mode), ["parallelism.cp_size=2"], deadline=400)
     for hist, grads in cp2:
         _compare(ref, ref_grads, hist, grads, "bf16")
     # The trained parameters (LoRA adapters) and so the optimizer state stay fp32 in both modes.

@@ -83,7 +83,7 @@ NORM_RTOL = {"fp32": 1e-5, "bf16": 5e-2}
 
 
 def test_full_and_lora_dp_cp_with_many_buckets_equal_one_process(tmp_path):
-    runs = {"one": (1, []), "cp2": (2, ["cp_size=2"]), "dp2cp2": (4, ["cp_size=2"])}
+    runs = {"one": (1, []), "cp2": (2, ["parallelism.cp_size=2"]), "dp2cp2": (4, ["parallelism.cp_size=2"])}
     results, recipes = {}, {}
     for world, (n, overrides) in runs.items():
         recipes[world] = _cases(tmp_path, world)

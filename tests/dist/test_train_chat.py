@@ -57,7 +57,8 @@ def _val_losses(out) -> list[tuple[int, float]]:
 def _pinned_cp2_equals_one_process(tmp_path, path: str, tag: str, **data) -> None:
     ref, ref_grads, pin = ranks(1, train_pinned, _recipe(tmp_path / f"{tag}-1", path, **data), [],
                                 deadline=600)[0]
-    cp2 = ranks(2, train_pinned, _recipe(tmp_path / f"{tag}-2", path, **data), ["cp_size=2"], pin, deadline=600)
+    cp2 = ranks(2, train_pinned, _recipe(tmp_path / f"{tag}-2", path, **data), ["parallelism.cp_size=2"], pin,
+                deadline=600)
     assert len(ref) == 3 and all(tokens > 0 for _, _, tokens, _ in ref)
     assert_steps_equal(ref, ref_grads, cp2, tag, rel=REL)
     # the held-out chat loss, after each step's update (at the pinned parameters but the last)

@@ -28,7 +28,7 @@ def test_validation_under_cp_equals_single_process_and_early_stopping(tmp_path):
     ref_val, ref_loss, ref_steps, ref_stopped, ref_logged = ranks(1, _train, _recipe(tmp_path / "one"), [])[0]
     assert ref_steps == 2 and ref_stopped and [s for s, _ in ref_val] == [1, 2]
     assert ref_logged == [v for _, v in ref_val]
-    for val, loss, steps, stopped, logged in ranks(2, _train, _recipe(tmp_path / "cp2"), ["cp_size=2"]):
+    for val, loss, steps, stopped, logged in ranks(2, _train, _recipe(tmp_path / "cp2"), ["parallelism.cp_size=2"]):
         assert steps == 2 and stopped and [s for s, _ in val] == [1, 2]
         for (_, a), (_, b) in zip(val, ref_val, strict=True):
             assert abs(a - b) <= 1e-5 * abs(b), (val, ref_val)

@@ -8,7 +8,7 @@ from tests.training import accelerate_env, ranks, tiny_recipe, train_with_nan_at
 
 
 def test_nonfinite_step_is_skipped_on_every_rank_or_aborts(tmp_path):
-    overrides = ["cp_size=2", "train.steps=4", "train.batch_size=1"]
+    overrides = ["parallelism.cp_size=2", "train.steps=4", "train.batch_size=1"]
     (hist, sums), (hist1, sums1) = ranks(2, train_with_nan_at, tiny_recipe(tmp_path / "skip"), overrides, 2)
     assert hist == hist1 == [(1, False), (2, True), (3, False), (4, False)]
     assert sums[1] == sums[0] and sums[2] != sums[1]  # the skipped step left the weights untouched
@@ -39,7 +39,7 @@ def test_resume_guards(tmp_path):
     status, msg = ranks(1, train_plain, rec, base + ["resume=true", "seed=1"])[0]
     assert status == "error" and "seed=0" in msg and "fresh output_dir" in msg
     # a finished run resumed with more steps continues; on another CP size it reshards (world 2, cp 2)
-    assert ranks(2, train_plain, rec, ["train.steps=3", "resume=true", "cp_size=2",
+    assert ranks(2, train_plain, rec, ["train.steps=3", "resume=true", "parallelism.cp_size=2",
                                            "checkpoint.export=false"]) == [1, 1]
     assert ranks(1, train_plain, rec, base + ["overwrite=true"])[0] == 2
 

@@ -20,17 +20,18 @@ from tests.training import max_rel_err, ranks, tiny_recipe, train_on_ranks
 # Per world size: (cp_size, strategy, the variants each compared with DDP at that cp and strategy). cp=1 is dp2 (one
 # rank per CP group: ring and ulysses are the same path there). The last variant runs FSDP with the other memory
 # features of issue 28 on as well (offloaded checkpoints, 5-token MLP tiles: several per rank) through the loop.
-FEATURES = {"fsdp": ["train.fsdp=true"], "offload": ["train.offload_checkpoints=true"],
-            "tiled": ["train.tiled_mlp=true", "train.mlp_tile_tokens=5"]}
+FEATURES = {"fsdp": ["parallelism.fsdp=true"], "offload": ["parallelism.offload_checkpoints=true"],
+            "tiled": ["parallelism.tiled_mlp=true", "parallelism.mlp_tile_tokens=5"]}
 CASES = {2: [(1, "ring", ["fsdp"]), (2, "ring", ["fsdp"]), (2, "ulysses", ["fsdp"])],
          4: [(4, "ring", ["fsdp"]), (4, "ulysses", ["fsdp", "fsdp+offload+tiled"])]}
 
 
 def test_fsdp_on_cpu_equals_single_process(tmp_path):
     ref, ref_grads = ranks(1, train_on_ranks, tiny_recipe(tmp_path / "single"), [], deadline=300)[0]
-    fsdp = {"train": {"fsdp": True}}
-    runs = {"cp2": ranks(2, train_on_ranks, tiny_recipe(tmp_path / "cp2", **fsdp), ["cp_size=2"], deadline=300),
-            "dp2cp2": ranks(4, train_on_ranks, tiny_recipe(tmp_path / "dp2cp2", **fsdp), ["cp_size=2"],
+    fsdp = {"parallelism": {"fsdp": True}}
+    runs = {"cp2": ranks(2, train_on_ranks, tiny_recipe(tmp_path / "cp2", **fsdp), ["parallelism.cp_size=2"],
+                         deadline=300),
+            "dp2cp2": ranks(4, train_on_ranks, tiny_recipe(tmp_path / "dp2cp2", **fsdp), ["parallelism.cp_size=2"],
                             deadline=400)}
     w_ref = load_file(tmp_path / "single" / "final" / "model.safetensors")
     for name, per_rank in runs.items():
@@ -118,7 +119,7 @@ def _ddp_then_variants(rank: int, world_size: int, recipe: dict, cases: list) ->
 
     rows = []
     for cp_size, strategy, variants in cases:
-        base = [f"cp_size={cp_size}", f"train.strategy={strategy}"]
+        base = [f"parallelism.cp_size={cp_size}", f"parallelism.strategy={strategy}"]
         (h0, g0, w0), ddp = run(f"cp{cp_size} {strategy} ddp", base)
         for variant in variants:
             features = [o for f in variant.split("+") for o in FEATURES[f]]

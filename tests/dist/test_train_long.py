@@ -52,7 +52,7 @@ def test_tiny_model_long_sequences_cp2_vs_cp1(tmp_path, seq_len):
     rows = {
         "cp=1": run_ranks(1, measure_on_ranks, rec, ["output_dir=" + str(tmp_path / "c1")], threads=2, deadline=3000,
                           pg_timeout=1800),
-        "cp=2": run_ranks(2, measure_on_ranks, rec, ["cp_size=2", "output_dir=" + str(tmp_path / "c2")],
+        "cp=2": run_ranks(2, measure_on_ranks, rec, ["parallelism.cp_size=2", "output_dir=" + str(tmp_path / "c2")],
                           deadline=3000, pg_timeout=1800),
     }
     _report(f"tiny:llama (vocab 49152) at {seq_len} tokens", rows)
@@ -71,7 +71,7 @@ def test_real_135m_16k_step_cp2_vs_cp1(tmp_path):
     rows = {
         "cp=1": run_ranks(1, measure_on_ranks, rec, ["output_dir=" + str(tmp_path / "c1")], threads=2, deadline=5000,
                           pg_timeout=1800),
-        "cp=2": run_ranks(2, measure_on_ranks, rec, ["cp_size=2", "output_dir=" + str(tmp_path / "c2")],
+        "cp=2": run_ranks(2, measure_on_ranks, rec, ["parallelism.cp_size=2", "output_dir=" + str(tmp_path / "c2")],
                           deadline=5000, pg_timeout=1800),
     }
     _report("SmolLM2-135M-Instruct + LoRA at 16384 tokens", rows)

@@ -54,7 +54,7 @@ def _equal_to_one_process(tmp_path, paths, layouts: dict[str, list[str]], **kw) 
 
 def test_mix_cp2_and_dp2_equal_single_process(tmp_path):
     paths = write_mix_inputs(tmp_path / "data")
-    ref = _equal_to_one_process(tmp_path, paths, {"cp2": ["cp_size=2"], "dp2": []})
+    ref = _equal_to_one_process(tmp_path, paths, {"cp2": ["parallelism.cp_size=2"], "dp2": []})
     # the KL term is in those losses: without it the same run logs another loss once the adapters moved
     no_kl, _ = ranks(1, train_on_ranks, mix_recipe(paths, tmp_path / "nokl", kl=0.0), [], deadline=400)[0]
     assert no_kl[0][1] == pytest.approx(ref[0][1], rel=1e-6)  # step 1: tuned == base, KL is 0
@@ -65,7 +65,7 @@ def test_mix_context_positions_cp2_equals_single_process(tmp_path):
     """context_positions=8 on the QA source (document loss and KL) and the packed text source (KL): every CP rank
     draws the same positions from the full row, so cp=2 takes the one-process steps, sampling included."""
     paths = write_mix_inputs(tmp_path / "data")
-    ref = _equal_to_one_process(tmp_path, paths, {"cp2": ["cp_size=2"]}, context_positions=8)
+    ref = _equal_to_one_process(tmp_path, paths, {"cp2": ["parallelism.cp_size=2"]}, context_positions=8)
     # the draw is in those steps: every context token gives another loss from step 1 on (where the KL is still 0)
     every, _ = ranks(1, train_on_ranks, mix_recipe(paths, tmp_path / "every"), [], deadline=400)[0]
     assert abs(every[0][1] - ref[0][1]) > 1e-3, (every, ref)

@@ -76,11 +76,11 @@ def test_train_loop_with_offload_and_tiled_mlp_cp2(tmp_path):
     train = {"steps": 2, "activation_checkpointing": True}
     recipes = {
         "plain": tiny_recipe(tmp_path / "plain", train=train),
-        "offload": tiny_recipe(tmp_path / "offload", train={**train, "offload_checkpoints": True}),
-        "tiled": tiny_recipe(tmp_path / "tiled", train={**train, "offload_checkpoints": True, "tiled_mlp": True,
-                                                         "mlp_tile_tokens": 12}),
+        "offload": tiny_recipe(tmp_path / "offload", train=train, parallelism={"offload_checkpoints": True}),
+        "tiled": tiny_recipe(tmp_path / "tiled", train=train, parallelism={"offload_checkpoints": True,
+                                                                           "tiled_mlp": True, "mlp_tile_tokens": 12}),
     }
-    out = ranks(2, train_cases, recipes, ["cp_size=2"], deadline=600)
+    out = ranks(2, train_cases, recipes, ["parallelism.cp_size=2"], deadline=600)
     for per_rank in out:
         plain, off, tiled = (per_rank[k]["history"] for k in ("plain", "offload", "tiled"))
         assert len(plain) == 2 and off == plain

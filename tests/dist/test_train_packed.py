@@ -37,7 +37,8 @@ def test_packed_rows_cp2_equals_cp1(tmp_path):
     data = {"path": _packed_dataset(tmp_path / "packed"), "seq_len": 96}
     ev = {"holdout": 2, "every": 1}  # validation on packed rows runs under the same document masking
     ref, _ = ranks(1, train_on_ranks, tiny_recipe(tmp_path / "cp1", data=data, eval=ev), [], deadline=300)[0]
-    cp2 = ranks(2, train_on_ranks, tiny_recipe(tmp_path / "cp2", data=data, eval=ev), ["cp_size=2"], deadline=300)
+    cp2 = ranks(2, train_on_ranks, tiny_recipe(tmp_path / "cp2", data=data, eval=ev), ["parallelism.cp_size=2"],
+                deadline=300)
     w_ref = load_file(tmp_path / "cp1" / "final" / "model.safetensors")
     w_cp2 = load_file(tmp_path / "cp2" / "final" / "model.safetensors")
     assert max_rel_err(w_cp2, w_ref) <= 1e-5

@@ -43,7 +43,8 @@ def train_history(rank: int, world_size: int, recipe: dict, overrides: list[str]
 
 
 def test_resume_after_kill_continues_exactly(tmp_path):
-    overrides = ["cp_size=2", "train.steps=8", "checkpoint.every=2", "checkpoint.keep=2", "checkpoint.export=false"]
+    overrides = ["parallelism.cp_size=2", "train.steps=8", "checkpoint.every=2", "checkpoint.keep=2",
+                 "checkpoint.export=false"]
     full = ranks(2, train_history, tiny_recipe(tmp_path / "full"), overrides)[0]
     assert [s for s, _ in full] == list(range(1, 9))
 
@@ -84,7 +85,7 @@ def _same(hist, ref, tol):
 def test_lora_resume_after_kill_continues_exactly_on_any_cp_size(tmp_path):
     """A LoRA checkpoint holds the adapter only (the frozen base is rebuilt from the recipe): resuming
     it used to fail with `Missing key(s) in state_dict`. Killed at cp=2, resumed at cp=2, cp=1 (reshard)."""
-    full = {cp: ranks(cp, train_history, tiny_recipe(tmp_path / f"full{cp}"), LORA + [f"cp_size={cp}"])[0]
+    full = {cp: ranks(cp, train_history, tiny_recipe(tmp_path / f"full{cp}"), LORA + [f"parallelism.cp_size={cp}"])[0]
             for cp in (1, 2)}
     assert [s for s, _ in full[2]] == list(range(1, 7))
     _same(full[2], full[1], 1e-5)  # cp=2 is the single-process run
@@ -93,8 +94,8 @@ def test_lora_resume_after_kill_continues_exactly_on_any_cp_size(tmp_path):
     pids = tmp_path / "pids"
     pids.mkdir()
     with pytest.raises(AssertionError, match="gave no result"):
-        ranks(2, train_until_killed, tiny_recipe(run), LORA + ["cp_size=2"], ".step-00000004.tmp", str(pids),
-              deadline=200)
+        ranks(2, train_until_killed, tiny_recipe(run), LORA + ["parallelism.cp_size=2"], ".step-00000004.tmp",
+              str(pids), deadline=200)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [".step-00000004.tmp", "step-00000002"]
     state = json.loads((run / "checkpoints" / "step-00000002" / "trainer.json").read_text())
     assert state["frozen"]["count"] > 0  # the base was left out, and its digest kept
@@ -102,9 +103,9 @@ def test_lora_resume_after_kill_continues_exactly_on_any_cp_size(tmp_path):
     import shutil
     other = tmp_path / "killed-cp1"
     shutil.copytree(run, other)
-    for hist in ranks(2, train_history, tiny_recipe(run), LORA + ["cp_size=2", "resume=true"]):
+    for hist in ranks(2, train_history, tiny_recipe(run), LORA + ["parallelism.cp_size=2", "resume=true"]):
         _same(hist, full[2][2:], 1e-6)
-    (cp1,) = ranks(1, train_history, tiny_recipe(other), LORA + ["cp_size=1", "resume=true"])
+    (cp1,) = ranks(1, train_history, tiny_recipe(other), LORA + ["parallelism.cp_size=1", "resume=true"])
     _same(cp1, full[1][2:], 1e-5)
 
 

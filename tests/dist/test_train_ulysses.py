@@ -1,4 +1,4 @@
-"""`longdoc train` with train.strategy=ulysses (cp=2) and usp 2 x 2 (cp=4, recipe key ulysses_size) equals
+"""`longdoc train` with parallelism.strategy=ulysses (cp=2) and usp 2 x 2 (cp=4, recipe key ulysses_size) equals
 single-process training: the same logged losses, token counts and gradient norms on every rank, and the same
 final weights."""
 
@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 from tests.training import max_rel_err, ranks, tiny_recipe, train_on_ranks
 
 RUNS = {
-    "ulysses-cp2": (2, ["cp_size=2", "train.strategy=ulysses"]),
-    "usp2x2-cp4": (4, ["cp_size=4", "train.strategy=usp", "ulysses_size=2"]),
+    "ulysses-cp2": (2, ["parallelism.cp_size=2", "parallelism.strategy=ulysses"]),
+    "usp2x2-cp4": (4, ["parallelism.cp_size=4", "parallelism.strategy=usp", "parallelism.ulysses_size=2"]),
 }
 
 

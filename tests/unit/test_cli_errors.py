@@ -54,6 +54,7 @@ def _one_line(proc: subprocess.CompletedProcess, argv: list[str]) -> str:
 
 
 SLOW = pytest.mark.slow
+CP1, CP2 = ["parallelism.cp_size=1"], ["parallelism.cp_size=2"]  # `longdoc train`'s two spellings
 # (verb and arguments, the one-process spelling, the --cp 2 spelling, what the line says)
 CASES = [
     (["eval", "qa", "--model", "does-not-exist", "--data", "qa.jsonl"], ["--cp", "1"], ["--cp", "2"],
@@ -73,13 +74,13 @@ CASES = [
      f"longdoc verify: error: {REFUSED}"),
     (["verify", "--model", "tiny:llama", "--seq-len", "64", "--text", "missing.txt"], ["--cp", "1"], ["--cp", "2"],
      "longdoc verify: error: --text 'missing.txt' is not a file"),
-    (["train", "recipe.yaml", "output_dir=out-m", "model.name=./alibi"], ["cp_size=1"], ["cp_size=2"],
+    (["train", "recipe.yaml", "output_dir=out-m", "model.name=./alibi"], CP1, CP2,
      f"longdoc train: error: {REFUSED}"),
-    pytest.param(["train", "recipe.yaml", "output_dir=out-t", "model.name=tiny:lama"], ["cp_size=1"], ["cp_size=2"],
+    pytest.param(["train", "recipe.yaml", "output_dir=out-t", "model.name=tiny:lama"], CP1, CP2,
                  "longdoc train: error: unknown tiny architecture 'lama' in 'tiny:lama'", marks=SLOW),
-    (["train", "recipe.yaml", "train.stepz=3"], ["cp_size=1"], ["cp_size=2"],
+    (["train", "recipe.yaml", "train.stepz=3"], CP1, CP2,
      "longdoc train: error: unknown recipe key train.stepz (did you mean train.steps?)"),
-    pytest.param(["train", "missing.yaml"], ["cp_size=1"], ["cp_size=2"], "longdoc train: error: ", marks=SLOW),
+    pytest.param(["train", "missing.yaml"], CP1, CP2, "longdoc train: error: ", marks=SLOW),
 ]
 
 

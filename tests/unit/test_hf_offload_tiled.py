@@ -63,13 +63,14 @@ def test_offload_refuses_a_model_without_checkpointing():
 
 
 def test_recipe_keys():
-    from longdoc.train.config import RecipeError, TrainConfig
+    from longdoc.train.config import ParallelismConfig, RecipeError, recipe_from_dict
 
-    assert not TrainConfig().offload_checkpoints and not TrainConfig().tiled_mlp
-    with pytest.raises(RecipeError, match="offload_checkpoints"):
-        TrainConfig(activation_checkpointing=False, offload_checkpoints=True)
-    with pytest.raises(RecipeError, match="mlp_tile_tokens"):
-        TrainConfig(tiled_mlp=True, mlp_tile_tokens=0)
+    assert not ParallelismConfig().offload_checkpoints and not ParallelismConfig().tiled_mlp
+    with pytest.raises(RecipeError, match="parallelism.offload_checkpoints: .* train.activation_checkpointing=true"):
+        recipe_from_dict({"data": {"path": "random"}, "train": {"activation_checkpointing": False},
+                          "parallelism": {"offload_checkpoints": True}})
+    with pytest.raises(RecipeError, match="parallelism.mlp_tile_tokens"):
+        ParallelismConfig(tiled_mlp=True, mlp_tile_tokens=0)
 
 
 class _Largest(TorchDispatchMode):
@@ -238,7 +239,7 @@ def test_cuda_offload_pins_host_memory_and_lowers_peak():
 def test_recipe_build_applies_offload_and_tiling(lora):
     import longdoc
     from longdoc.hf.offload import _OffloadedCheckpoint
-    from longdoc.train.config import LoraConfig, ModelConfig, TrainConfig
+    from longdoc.train.config import LoraConfig, ModelConfig, ParallelismConfig, TrainConfig
     from longdoc.train.modeling import build
 
     cp = longdoc.ContextParallel()
@@ -247,7 +248,8 @@ def test_recipe_build_applies_offload_and_tiling(lora):
     for on in (False, True):
         torch.manual_seed(0)  # the same LoRA initialisation both times
         model, _ = build(ModelConfig(name="tiny:llama"), LoraConfig(enabled=lora, r=4, dropout=0.0),
-                         TrainConfig(offload_checkpoints=on, tiled_mlp=on, mlp_tile_tokens=8), cp, 48)
+                         TrainConfig(), ParallelismConfig(offload_checkpoints=on, tiled_mlp=on, mlp_tile_tokens=8), cp,
+                         48)
         base = model.get_base_model() if lora else model
         layer = base.model.layers[0]
         assert isinstance(layer._gradient_checkpointing_func, _OffloadedCheckpoint) == on

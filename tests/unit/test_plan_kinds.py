@@ -218,9 +218,9 @@ def test_mlp_tile_sizes_the_tiled_terms_and_is_a_valid_recipe_override():
     default = plan(_tiled_request()).best  # the hidden size, as training does
     assert default.setup.mlp_tokens == 576 and "train.mlp_tile_tokens" not in default.recipe_keys()
     keys = best.recipe_keys().split()
-    assert "train.mlp_tile_tokens=512" in keys
+    assert "parallelism.mlp_tile_tokens=512" in keys
     recipe = load_recipe(ROOT / "recipes" / "cpu-demo.yaml", keys)
-    assert recipe.train.tiled_mlp and recipe.train.mlp_tile_tokens == 512
+    assert recipe.parallelism.tiled_mlp and recipe.parallelism.mlp_tile_tokens == 512
     assert best.to_dict()["mlp_tile"] == 512
 
 
@@ -239,7 +239,7 @@ def test_mlp_tile_on_the_command_line_and_in_help(capsys):
 
     rc = main(["plan", "--model", "SmolLM2-135M", "--seq-len", "16k", "--gpus", "2", "--cp", "2", "--gpu", "cpu",
                "--precision", "fp32", "--tiled-mlp", "--mlp-tile", "1k", "--checkpointing"])
-    assert rc == 0 and "train.mlp_tile_tokens=1024" in capsys.readouterr().out
+    assert rc == 0 and "parallelism.mlp_tile_tokens=1024" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["plan", "--help"])
     assert "--mlp-tile" in capsys.readouterr().out

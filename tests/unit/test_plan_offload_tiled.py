@@ -86,7 +86,7 @@ def test_llama_8b_at_1m_tokens_on_8_h100_fits_under_64_gib():
     p = plan(PlanRequest(model="Llama-3.1-8B", seq_len=1 << 20, gpus=8, gpu="h100"))
     assert p.best is not None and p.best.memory.total_gib <= 64
     assert p.best.setup.offload  # the checkpoints cannot stay on the device at 1M tokens
-    assert "train.offload_checkpoints=true" in p.best.recipe_keys()
+    assert "parallelism.offload_checkpoints=true" in p.best.recipe_keys()
     # without the new terms it does not fit, as the issue found (91.4 GiB)
     none = plan(PlanRequest(model="Llama-3.1-8B", seq_len=1 << 20, gpus=8, gpu="h100", offload=False,
                             tiled_mlp=False))
@@ -111,7 +111,7 @@ def test_cpu_fsdp_is_considered_and_pinned_by_the_flag():
     without = longest_fitting(dataclasses.replace(req, fsdp=False))
     assert with_fsdp > without
     best = plan(dataclasses.replace(req, seq_len=with_fsdp)).best
-    assert best is not None and best.setup.uses_fsdp and "train.fsdp=true" in best.recipe_keys()
+    assert best is not None and best.setup.uses_fsdp and "parallelism.fsdp=true" in best.recipe_keys()
 
 
 def test_reduced_depth_plans_the_same_layers_fewer_times():
@@ -131,7 +131,7 @@ def test_plan_cli_flags(capsys):
                "--memory-gib", "4", "--tiled-mlp", "--fsdp", "--no-offload", "--layers", "4", "--longest"])
     out = capsys.readouterr().out
     assert rc == 0 and "tiled MLP" in out and "FSDP2" in out and "longest sequence that fits" in out
-    assert "train.tiled_mlp=true" in out
+    assert "parallelism.tiled_mlp=true" in out
 
 
 def test_planner_within_5_percent_of_the_measured_reduced_depth_runs():
@@ -186,8 +186,9 @@ def test_the_recommendations_recipe_keys_are_valid_overrides(kw):
     best = plan(PlanRequest(**kw)).best
     assert best is not None
     recipe = load_recipe(Path(__file__).parents[2] / "recipes" / "cpu-demo.yaml", best.recipe_keys().split())
-    assert recipe.cp_size == best.setup.cp and recipe.train.tiled_mlp == best.setup.tiled_mlp
-    assert recipe.train.offload_checkpoints == best.setup.offload and recipe.lora.enabled == best.setup.lora
+    par = recipe.parallelism
+    assert par.cp_size == best.setup.cp and par.tiled_mlp == best.setup.tiled_mlp
+    assert par.offload_checkpoints == best.setup.offload and recipe.lora.enabled == best.setup.lora
 
 
 def test_why_names_the_headroom_and_one_row_per_strategy():

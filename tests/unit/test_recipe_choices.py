@@ -10,18 +10,18 @@ import pytest
 
 from longdoc.parallel.api import STRATEGIES, Strategy
 from longdoc.parallel.layout import LAYOUTS, Layout
-from longdoc.train.config import ModelConfig, RecipeError, TrainConfig, recipe_from_dict
+from longdoc.train.config import ModelConfig, ParallelismConfig, RecipeError, recipe_from_dict
 
 
 def test_cp_fields_use_the_core_types():
-    hints = typing.get_type_hints(TrainConfig)
+    hints = typing.get_type_hints(ParallelismConfig)
     assert hints["layout"] is Layout and hints["strategy"] is Strategy
     assert typing.get_args(hints["layout"]) == LAYOUTS and typing.get_args(hints["strategy"]) == STRATEGIES
 
 
 @pytest.mark.parametrize("override,choices", [
-    ("train.layout=zz", "('zigzag', 'contiguous')"),
-    ("train.strategy=p2p", "('ring', 'allgather', 'ulysses', 'usp')"),
+    ("parallelism.layout=zz", "('zigzag', 'contiguous')"),
+    ("parallelism.strategy=p2p", "('ring', 'allgather', 'ulysses', 'usp')"),
     ("model.dtype=fp8", "('float32', 'bfloat16', 'float16')"),
     ("train.on_nonfinite=ignore", "('skip', 'abort')"),
     ("optim.decay=step", "('cosine', 'linear', 'constant')"),
@@ -35,10 +35,11 @@ def test_a_value_outside_the_choices_names_them(override, choices):
 
 
 def test_valid_choices_load_and_code_built_sections_are_checked_too():
-    r = recipe_from_dict({"data": {"path": "random"}}, ["train.layout=contiguous", "train.strategy=allgather",
-                                                        "model.dtype=bfloat16"])
-    assert (r.train.layout, r.train.strategy, r.model.dtype) == ("contiguous", "allgather", "bfloat16")
-    with pytest.raises(RecipeError, match=r"train.strategy: must be one of \('ring', 'allgather', 'ulysses', 'usp'\)"):
-        TrainConfig(strategy="p2p")
+    r = recipe_from_dict({"data": {"path": "random"}}, ["parallelism.layout=contiguous",
+                                                        "parallelism.strategy=allgather", "model.dtype=bfloat16"])
+    assert (r.parallelism.layout, r.parallelism.strategy, r.model.dtype) == ("contiguous", "allgather", "bfloat16")
+    with pytest.raises(RecipeError,
+                       match=r"parallelism.strategy: must be one of \('ring', 'allgather', 'ulysses', 'usp'\)"):
+        ParallelismConfig(strategy="p2p")
     with pytest.raises(RecipeError, match="model.dtype: must be one of"):
         ModelConfig(dtype="fp8")

@@ -30,11 +30,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_cp_size_must_divide_the_world_size():
-    recipe = recipe_from_dict({"data": {"path": "random"}}, ["cp_size=3"])
-    with pytest.raises(RecipeError, match=re.escape("cp_size=3 must divide the number of processes (4); use a "
-                                                    "cp_size among [1, 2, 4]")):
+    recipe = recipe_from_dict({"data": {"path": "random"}}, ["parallelism.cp_size=3"])
+    with pytest.raises(RecipeError, match=re.escape("parallelism.cp_size=3 must divide the number of processes (4); "
+                                                    "use a cp_size among [1, 2, 4]")):
         check_launch(recipe, 4, cuda=False)
-    with pytest.raises(RecipeError, match="cp_size=3 needs at least 3 processes, but this run has 1"):
+    with pytest.raises(RecipeError, match="parallelism.cp_size=3 needs at least 3 processes, but this run has 1"):
         check_launch(recipe, 1, cuda=False)
 
 
@@ -98,7 +98,7 @@ def test_trust_remote_code_is_off_unless_the_recipe_turns_it_on(monkeypatch):
     for overrides in ([], ["model.trust_remote_code=true"]):
         r = recipe_from_dict({"data": {"path": "random"}, "model": {"name": "some/folder"}}, overrides)
         with pytest.raises(StopIteration):
-            modeling.build(r.model, r.lora, r.train, longdoc.ContextParallel(), 64)
+            modeling.build(r.model, r.lora, r.train, r.parallelism, longdoc.ContextParallel(), 64)
     assert seen == [False, True]
     for fn in real:
         assert inspect.signature(fn).parameters["trust_remote_code"].default is False

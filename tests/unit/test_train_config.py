@@ -14,9 +14,10 @@ RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
 
 def test_defaults_and_dotted_overrides():
     r = recipe_from_dict({"data": {"path": "random"}},
-                         ["train.steps=7", "cp_size=2", "optim.lr=1e-4", "lora.target_modules=q_proj,v_proj",
-                          "resume=true", "model.overrides.num_hidden_layers=3", "optim.max_grad_norm=null"])
-    assert (r.train.steps, r.cp_size, r.resume) == (7, 2, True)
+                         ["train.steps=7", "parallelism.cp_size=2", "optim.lr=1e-4",
+                          "lora.target_modules=q_proj,v_proj", "resume=true", "model.overrides.num_hidden_layers=3",
+                          "optim.max_grad_norm=null"])
+    assert (r.train.steps, r.parallelism.cp_size, r.resume) == (7, 2, True)
     assert r.optim.lr == 1e-4 and isinstance(r.optim.lr, float)  # YAML reads "1e-4" as a string
     assert r.lora.target_modules == ["q_proj", "v_proj"]
     assert r.model.overrides == {"num_hidden_layers": 3}
@@ -37,8 +38,9 @@ def test_token_counts_take_k_and_m_suffixes_like_the_command_lines():
     ({"data": {"path": "random"}}, ["train.steps=many"], r"train.steps: must be an integer, got 'many'"),
     ({"data": {"path": "random"}}, ["train.steps=1k"], r"train.steps: must be an integer, got '1k'"),
     ({"data": {"path": "random"}}, ["data.seq_len=32q"], r"data.seq_len: must be a token count such as 4096, 4k"),
-    ({"data": {"path": "random"}}, ["train.layout=zz"], r"train.layout: must be one of \('zigzag', 'contiguous'\)"),
-    ({"data": {"path": "random"}}, ["cp_size=0"], r"cp_size: must be >= 1"),
+    ({"data": {"path": "random"}}, ["parallelism.layout=zz"],
+     r"parallelism.layout: must be one of \('zigzag', 'contiguous'\)"),
+    ({"data": {"path": "random"}}, ["parallelism.cp_size=0"], r"parallelism.cp_size: must be >= 1"),
     ({"data": {"path": "random"}}, ["model.rope_type=dynamic"], r"model.rope_type.*'dynamic' NTK is refused"),
     ({"data": {"path": "random"}}, ["train.batch_size=3", "train.micro_batch_size=2"], r"multiple of"),
     ({"data": {"path": "random"}}, ["lora.enabled=maybe"], r"lora.enabled: must be true or false"),
@@ -68,41 +70,42 @@ def test_shipped_recipes_load_and_say_how_to_launch(path):
 
 
 def test_launch_layout_checks(monkeypatch):
-    r = recipe_from_dict({"data": {"path": "random"}}, ["cp_size=2", "train.batch_size=2"])
+    r = recipe_from_dict({"data": {"path": "random"}}, ["parallelism.cp_size=2", "train.batch_size=2"])
     assert check_launch(r, 4, cuda=False) == (2, 2)
     assert check_launch(r, 2, cuda=False) == (1, 2)
-    with pytest.raises(RecipeError, match=r"cp_size=2 must divide the number of processes \(3\)"):
+    with pytest.raises(RecipeError, match=r"parallelism.cp_size=2 must divide the number of processes \(3\)"):
         check_launch(r, 3, cuda=False)
     monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
     with pytest.raises(RecipeError, match=r"needs at least 2 processes.*use_cpu.*--multi_gpu --num_processes"):
         check_launch(r, 1, cuda=False)
-    r3 = recipe_from_dict({"data": {"path": "random"}}, ["cp_size=1", "train.batch_size=3"])
+    r3 = recipe_from_dict({"data": {"path": "random"}}, ["parallelism.cp_size=1", "train.batch_size=3"])
     with pytest.raises(RecipeError, match=r"batch_size=3 must be a multiple"):
         check_launch(r3, 2, cuda=False)
     # FSDP2 on CPU: the loop shards with fully_shard itself (tests/dist/test_train_fsdp_cpu.py)
-    assert check_launch(recipe_from_dict({"data": {"path": "random"}}, ["train.fsdp=true", "cp_size=1"]), 1,
-                        cuda=False) == (1, 1)
+    fsdp1 = recipe_from_dict({"data": {"path": "random"}}, ["parallelism.fsdp=true", "parallelism.cp_size=1"])
+    assert check_launch(fsdp1, 1, cuda=False) == (1, 1)
 
 
 def test_fsdp_on_one_process_trains_as_one_plain_process(capsys, monkeypatch, tmp_path):
-    """`longdoc train RECIPE cp_size=1 train.fsdp=true` without a launcher: one process has nothing to shard, so the
-    run says so in one line and trains unsharded (FSDP's mesh, built anyway, wanted the launcher's RANK)."""
+    """`longdoc train RECIPE parallelism.cp_size=1 parallelism.fsdp=true` without a launcher: one process has nothing
+    to shard, so the run says so in one line and trains unsharded (FSDP's mesh, built anyway, wanted the launcher's
+    RANK)."""
     import torch
     from accelerate.state import AcceleratorState, GradientState
 
     from longdoc.train.world import shards, start
 
     r = recipe_from_dict({"data": {"path": "random"}, "output_dir": str(tmp_path)},
-                         ["cp_size=1", "train.fsdp=true", "train.release_freed_memory=false"])
+                         ["parallelism.cp_size=1", "parallelism.fsdp=true", "train.release_freed_memory=false"])
     assert (shards(r, 1), shards(r, 2)) == (False, True)
-    assert not shards(recipe_from_dict({"data": {"path": "random"}}, ["cp_size=1"]), 2)
+    assert not shards(recipe_from_dict({"data": {"path": "random"}}, ["parallelism.cp_size=1"]), 2)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     AcceleratorState._reset_state()
     GradientState._reset_state()
     world = start(r)
     try:
-        assert capsys.readouterr().out.count("train.fsdp=true on one process: nothing to shard") == 1
+        assert capsys.readouterr().out.count("parallelism.fsdp=true on one process: nothing to shard") == 1
         assert (world.world_size, world.fsdp, world.shard_on_cpu) == (1, False, False)
         model, _ = world.prepare(torch.nn.Linear(4, 4), lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
         assert all(type(p) is torch.nn.Parameter for p in model.parameters())  # not FSDP2's DTensor shards
@@ -117,7 +120,7 @@ def test_cli_print_and_error_exit_codes(capsys, tmp_path):
 
     rec = tmp_path / "r.yaml"
     rec.write_text("data: {path: random}\ntrain: {steps: 2}\n")
-    assert main(["train", str(rec), "cp_size=2", "--print"]) == 0
+    assert main(["train", str(rec), "parallelism.cp_size=2", "--print"]) == 0
     assert "cp_size: 2" in capsys.readouterr().out
     assert main(["train", str(rec), "train.stepz=3"], catch=True) == 2  # as on the command line
     assert "did you mean train.steps" in capsys.readouterr().err
@@ -136,7 +139,7 @@ def test_recipe_fits_the_launch_its_header_names(path):
     cfg = yaml.safe_load((path.parents[1] / launch.group(1)).read_text())
     recipe = load_recipe(path)
     cuda = "cpu" not in launch.group(1)
-    assert recipe.train.fsdp == cuda  # GPU recipes shard with FSDP2; the CPU demo replicates (DDP)
+    assert recipe.parallelism.fsdp == cuda  # GPU recipes shard with FSDP2; the CPU demo replicates (DDP)
     check_launch(recipe, int(cfg["num_processes"]), cuda=cuda)
     assert f"recipes/{path.name}" in header
 

@@ -24,7 +24,8 @@ from tests.mix_data import mix_recipe, write_mix_inputs
 
 def _mixed(tmp_path, **kw):
     recipe = recipe_from_dict(mix_recipe(write_mix_inputs(tmp_path / "data"), tmp_path / "out", **kw))
-    model, tok = build(recipe.model, recipe.lora, recipe.train, longdoc.ContextParallel(), recipe.data.seq_len)
+    model, tok = build(recipe.model, recipe.lora, recipe.train, recipe.parallelism, longdoc.ContextParallel(),
+                       recipe.data.seq_len)
     seqs = load_mix(recipe.data, tok, model.get_input_embeddings().num_embeddings, recipe.seed, rows_needed=8,
                     model_name=recipe.model.name)
     return recipe, model, tok, seqs
@@ -274,13 +275,13 @@ def test_trained_embeddings_and_norms_export_and_base(tmp_path):
     transformers) gives the trained model's logits, and with the adapters disabled the model is the original."""
     from transformers import AutoModelForCausalLM
 
-    from longdoc.train.config import LoraConfig, ModelConfig, TrainConfig
+    from longdoc.train.config import LoraConfig, ModelConfig, ParallelismConfig, TrainConfig
     from longdoc.train.modeling import export
 
     mcfg = ModelConfig(name="tiny:llama", overrides={"tie_word_embeddings": True})
     lcfg = LoraConfig(enabled=True, r=4, train_embeddings=True, train_norms=True)
-    model, tok = build(mcfg, lcfg, TrainConfig(), longdoc.ContextParallel(), 64)
-    original, _ = build(mcfg, LoraConfig(), TrainConfig(), longdoc.ContextParallel(), 64)
+    model, tok = build(mcfg, lcfg, TrainConfig(), ParallelismConfig(), longdoc.ContextParallel(), 64)
+    original, _ = build(mcfg, LoraConfig(), TrainConfig(), ParallelismConfig(), longdoc.ContextParallel(), 64)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     assert any("embed_tokens.modules_to_save" in n for n in names) and any("norm.modules_to_save" in n for n in names)
     _perturb(model)

@@ -42,7 +42,7 @@ def tmp(tmp_path):
     (["output_dir=o", "model.name=tiny:lama"], "unknown tiny architecture 'lama'"),
 ], ids=["resume", "data-missing", "data-type", "context", "model"])
 def test_bad_input_is_refused_in_the_parent_before_any_rank_starts(tmp, args, says):
-    proc = _train(tmp, *args, "cp_size=2")
+    proc = _train(tmp, *args, "parallelism.cp_size=2")
     lines = proc.stderr.splitlines()
     assert proc.returncode == 2 and len(lines) == 1, (proc.returncode, proc.stderr[-2000:])
     assert lines[0].startswith(f"longdoc train: error: {says}"), lines[0]
@@ -51,10 +51,10 @@ def test_bad_input_is_refused_in_the_parent_before_any_rank_starts(tmp, args, sa
 
 
 def test_resume_auto_starts_fresh_then_resume_says_where_it_continues(tmp):
-    first = _train(tmp, "output_dir=run", "resume=auto", "cp_size=1", "checkpoint.at_end=true")
+    first = _train(tmp, "output_dir=run", "resume=auto", "parallelism.cp_size=1", "checkpoint.at_end=true")
     assert first.returncode == 0, first.stderr[-2000:]
     assert "resume=auto: run/checkpoints holds no complete checkpoint yet: starting from step 0" in first.stdout
-    second = _train(tmp, "output_dir=run", "resume=true", "train.steps=2", "cp_size=1")
+    second = _train(tmp, "output_dir=run", "resume=true", "train.steps=2", "parallelism.cp_size=1")
     assert second.returncode == 0, second.stderr[-2000:]
     assert "resumed from step 1 (run/checkpoints/step-00000001)" in second.stdout, second.stdout
     assert "done, 2 steps" in second.stdout

@@ -117,15 +117,19 @@ def test_trainer_recipe_and_planner_checks():
     with pytest.raises(ValueError, match="cp_ulysses_size only applies to cp_strategy='usp'"):
         check_ulysses_size("ring", 2, 4)
     check_ulysses_size("usp", 2, 4)
-    base = {"data": {"path": "random"}, "cp_size": 4}
-    with pytest.raises(RecipeError, match=r"ulysses_size: goes with train.strategy=usp, which factors cp_size=4 .* "
+    base = {"data": {"path": "random"}, "parallelism": {"cp_size": 4}}
+    with pytest.raises(RecipeError, match=r"parallelism.ulysses_size: goes with parallelism.strategy=usp, which "
+                                          r"factors cp_size=4 .* "
                                           r"one of \[1, 2, 4\]\) or neither; got None with 'usp'"):
-        recipe_from_dict(base, ["train.strategy=usp"])
-    with pytest.raises(RecipeError, match=r"ulysses_size: must be a divisor of cp_size=4 \(\[1, 2, 4\]\), got 3"):
-        recipe_from_dict(base, ["train.strategy=usp", "ulysses_size=3"])
-    with pytest.raises(RecipeError, match="ulysses_size: goes with train.strategy=usp.* got 2 with 'ring'"):
-        recipe_from_dict(base, ["ulysses_size=2"])
-    assert recipe_from_dict(base, ["train.strategy=usp", "ulysses_size=2"]).ulysses_size == 2
+        recipe_from_dict(base, ["parallelism.strategy=usp"])
+    with pytest.raises(RecipeError,
+                       match=r"parallelism.ulysses_size: must be a divisor of cp_size=4 \(\[1, 2, 4\]\), got 3"):
+        recipe_from_dict(base, ["parallelism.strategy=usp", "parallelism.ulysses_size=3"])
+    with pytest.raises(RecipeError,
+                       match="parallelism.ulysses_size: goes with parallelism.strategy=usp.* got 2 with 'ring'"):
+        recipe_from_dict(base, ["parallelism.ulysses_size=2"])
+    usp = recipe_from_dict(base, ["parallelism.strategy=usp", "parallelism.ulysses_size=2"])
+    assert usp.parallelism.ulysses_size == 2
     with pytest.raises(ValueError, match="--ulysses-size goes with --strategy usp"):
         PlanRequest(model="SmolLM2-135M-Instruct", seq_len=4096, strategy="ulysses", ulysses_size=2)
 
