@@ -32,7 +32,7 @@ def test_check_cp_size():
 
 
 def test_cp_size_larger_than_the_world_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="parallelism.cp_size=2 needs at least 2 processes"):
+    with pytest.raises(ValueError, match="cp_size=2 needs at least 2 processes"):
         CPTrainer(model=_model(), args=_args(tmp_path), train_dataset=rows([8], 0), data_collator=collate, cp_size=2)
 
 
