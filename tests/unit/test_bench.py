@@ -162,7 +162,8 @@ def test_calibration_predictions_cover_the_acceptance_set():
 def test_train_run_recipe_and_labels():
     r = TrainRun(model="135m", cp=2, seq_len=16384, lora=True, checkpointing=False)
     recipe = r.recipe("/tmp/x")
-    assert recipe["cp_size"] == 2 and recipe["lora"]["enabled"] and recipe["model"]["rope_type"] == "yarn"
+    assert recipe["parallelism"]["cp_size"] == 2 and recipe["lora"]["enabled"]
+    assert recipe["model"]["rope_type"] == "yarn"
     assert recipe["model"]["rope_factor"] == 2.0 and recipe["train"]["activation_checkpointing"] is False
     assert r.label() == "135m cp2 16k noAC LoRA" and r.rank_threads == 1
     with pytest.raises(ValueError, match="tiny"):
