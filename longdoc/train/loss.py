@@ -10,7 +10,7 @@ tokens of the whole optimizer step (every micro-batch, every data-parallel repli
 training mix, longdoc.train.mix) generalise it: sum(w * CE) / sum(w) over the step, plus an optional
 sum(k * KL(base || tuned)) / (number of KL tokens of the step) toward the frozen base (LoRA disabled). Summed over all
 ranks and micro-batches it is the token-mean loss of the step; its gradients, summed the same way,
-are the single-process gradients (see longdoc/train/loop.py for how DDP's averaging is undone).
+are the single-process gradients (see longdoc/train/step.py for how DDP's averaging is undone).
 MoE models with a router auxiliary loss add this rank's share of coef x aux (aux of the whole sequence of
 the forward, longdoc.hf.router): the step's objective is the token-mean CE plus coef x the mean aux of
 its forwards (micro-batches of every replica).
@@ -144,7 +144,7 @@ class LossModel(nn.Module):
         (the step's number of KL tokens). Every CP rank of a group passes kl_weights or none alike (the frozen
         base's forward runs the CP attention too). The share also adds aux_weight * aux, aux the MoE router
         auxiliary loss of this call (0 for models without one); aux_weight is this rank's share of its
-        coefficient (longdoc/train/loop.py).
+        coefficient (longdoc/train/step.py).
 
         probe=True returns instead (max |model logits - chunked-head logits|, max |model logits|): it runs
         through the wrapped forward, so DDP/FSDP2 gather what they must exactly as in training.
