@@ -61,7 +61,8 @@ lint: install
 
 # The documentation site (mkdocs.yml, docs/) into site/, strict: a broken link or a missing API object fails. The
 # generated parts (supported models from the tests' family lists, performance from docs/bench/*.json) are filled in
-# by the docs/hooks/docgen.py hook at build time; `$(PY) docs/hooks/docgen.py readme` refreshes the README's blocks.
+# by the docs/hooks/docgen.py hook at build time; `$(PY) docs/hooks/docgen.py refresh` rewrites the committed
+# generated blocks (README.md's numbers, docs/development.md's module map), and `check` fails while they are stale.
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 	$(PY) docs/hooks/docgen.py check

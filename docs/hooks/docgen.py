@@ -3,16 +3,19 @@ tables from docs/bench/*.json, so a model list or a measured number is never typ
 
     python docs/hooks/docgen.py models         # print the generated supported-models markdown
     python docs/hooks/docgen.py performance    # print the generated performance tables
-    python docs/hooks/docgen.py readme         # refresh README.md's generated blocks (headline numbers, models)
-    python docs/hooks/docgen.py check          # exit 1 if README.md's generated blocks are stale
+    python docs/hooks/docgen.py refresh        # rewrite the generated blocks of README.md and docs/development.md
+    python docs/hooks/docgen.py check          # exit 1 if one of those blocks is stale (`make docs` runs it)
 
 mkdocs runs this file as a hook (mkdocs.yml `hooks:`): a page's `<!-- docgen:NAME -->` line is replaced by block
-NAME at build time, so the site always shows what the files in the checkout say. Sources are found by pattern,
-so files that land later are picked up without editing this file:
+NAME at build time, so the site always shows what the files in the checkout say. The files read outside the site too
+(FILES) hold their blocks between `<!-- docgen:NAME:start -->` and `<!-- docgen:NAME:end -->`, written by `refresh`
+and rendered afresh in the site. Sources are found by pattern, so files that land later are picked up without
+editing this file:
   - tests/hf_*.py with a module-level FAMILIES or HYBRIDS dict (model_type -> overrides; a trailing comment on
     the entry's line says what the family brings), read with `ast` (nothing is imported or built);
   - longdoc/zoo.py PLAIN and PATTERNED (the `tiny:` names the CLI builds);
   - docs/models/*.json written by tests/survey.py (every causal-LM type of the installed transformers);
+  - longdoc/**/*.py: the module docstrings, for the module map (docs/hooks/modulemap.py);
   - docs/bench/*.json: a `longdoc bench` suite result (rendered by longdoc.bench.suite.to_markdown, the same
     renderer as `longdoc bench`; `longdoc bench --publish docs/bench` writes it) or a single section result
     (patterns.json), and docs/bench/*.png.
@@ -21,6 +24,7 @@ so files that land later are picked up without editing this file:
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import re
 import sys
@@ -29,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = re.compile(r"^<!-- docgen:([a-z-]+) -->$", re.M)
-README_BLOCK = re.compile(r"(<!-- docgen:([a-z-]+):start -->\n)(.*?)(<!-- docgen:\2:end -->)", re.S)
+FILE_BLOCK = re.compile(r"(<!-- docgen:([a-z-]+):start -->\n)(.*?)(<!-- docgen:\2:end -->)", re.S)
 
 # What each family list is, in page order (a list not named here is titled by its file name and comes last).
 LISTS = {
@@ -443,41 +447,61 @@ def changelog() -> str:
     return (ROOT / "CHANGELOG.md").read_text()
 
 
+def module_map() -> str:
+    """docs/development.md's module map (docs/hooks/modulemap.py, loaded by path: mkdocs and the tests load this file
+    by path too, and docs/hooks is no package)."""
+    spec = importlib.util.spec_from_file_location("modulemap", Path(__file__).with_name("modulemap.py"))
+    modulemap = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(modulemap)
+    return modulemap.module_map()
+
+
 BLOCKS: dict[str, Callable[[], str]] = {"models": models, "performance": performance, "headline": headline,
                                         "changelog": changelog, "outcomes": outcomes, "models-summary": models_summary,
                                         "recipe-plans": recipe_plans, "long-plans": long_plans,
-                                        "longest-matrix": longest_matrix}
+                                        "longest-matrix": longest_matrix, "module-map": module_map}
+# The committed files with generated blocks, each with the blocks whose links depend on where the file sits.
+FILES: dict[str, dict[str, Callable[[], str]]] = {
+    "README.md": {"headline": lambda: headline("docs/performance.md"), "outcomes": lambda: outcomes("docs/")},
+    "docs/development.md": {},
+}
 
 
 def render_markers(markdown: str) -> str:
     return MARKER.sub(lambda m: BLOCKS[m.group(1)]() if m.group(1) in BLOCKS else m.group(0), markdown)
 
 
-def refresh_readme(text: str) -> str:
-    # links relative to the README
-    blocks = {**BLOCKS, "headline": lambda: headline("docs/performance.md"), "outcomes": lambda: outcomes("docs/")}
-    return README_BLOCK.sub(lambda m: m.group(1) + blocks[m.group(2)]() + "\n" + m.group(4), text)
+def refresh(text: str, blocks: dict[str, Callable[[], str]] | None = None) -> str:
+    """`text` with every generated block (between its start and end lines) written afresh."""
+    blocks = {**BLOCKS, **(blocks or {})}
+    return FILE_BLOCK.sub(lambda m: m.group(1) + blocks[m.group(2)]() + "\n" + m.group(4), text)
 
 
-# mkdocs hook: fill the markers of every page.
+def stale() -> list[str]:
+    """The FILES whose generated blocks differ from what the checkout generates now."""
+    return [name for name, blocks in FILES.items()
+            if refresh(text := (ROOT / name).read_text(), blocks) != text]
+
+
+# mkdocs hook: fill the markers of every page; a committed block is rendered afresh, without its start/end lines.
 def on_page_markdown(markdown: str, **kwargs: object) -> str:
-    return render_markers(markdown)
+    return render_markers(FILE_BLOCK.sub(lambda m: BLOCKS[m.group(2)](), markdown))
 
 
 def main(argv: list[str]) -> int:
     what = argv[0] if argv else "models"
-    readme = ROOT / "README.md"
-    if what == "readme":
-        readme.write_text(refresh_readme(readme.read_text()))
+    if what == "refresh":
+        for name, blocks in FILES.items():
+            path = ROOT / name
+            path.write_text(refresh(path.read_text(), blocks))
         return 0
     if what == "check":
-        text = readme.read_text()
-        if refresh_readme(text) != text:
-            print("README.md's generated blocks are stale: run `python docs/hooks/docgen.py readme`")
-            return 1
-        return 0
+        names = stale()
+        for name in names:
+            print(f"{name}'s generated blocks are stale: run `python docs/hooks/docgen.py refresh`")
+        return 1 if names else 0
     if what not in BLOCKS:
-        print(f"docgen: unknown block {what!r}; choose from {', '.join([*BLOCKS, 'readme', 'check'])}")
+        print(f"docgen: unknown block {what!r}; choose from {', '.join([*BLOCKS, 'refresh', 'check'])}")
         return 2
     print(BLOCKS[what]())
     return 0

@@ -75,7 +75,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--publish", default=None, metavar="DIR",
                    help="after a full run (every section, not --quick), copy bench.json and the plots into DIR "
                         "(docs/bench in a checkout: `make docs` renders the performance page from it and "
-                        "`python docs/hooks/docgen.py readme` refreshes the README's headline numbers)")
+                        "`python docs/hooks/docgen.py refresh` refreshes the README's headline numbers)")
     p.set_defaults(func=_main)
 
 
@@ -123,7 +123,7 @@ def _main(args: argparse.Namespace) -> int:
     if args.publish:
         files = suite.publish(result, args.publish)
         print(f"published {len(files)} file(s) into {args.publish}: `make docs` renders them; "
-              f"`python docs/hooks/docgen.py readme` refreshes the README's headline numbers")
+              f"`python docs/hooks/docgen.py refresh` refreshes the README's headline numbers")
     return 0
 
 

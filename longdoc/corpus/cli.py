@@ -24,7 +24,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("data", help="generate synthetic documents or tokenize a corpus",
                        description="Documents in, token sequences out. See data/README.md for the formats.")
     verbs = p.add_subparsers(dest="data_verb", metavar="COMMAND", required=True)
+    for add in (_add_synth, _add_prepare, _add_plant, _add_rehearse):
+        add(verbs)
 
+
+def _add_synth(verbs: argparse._SubParsersAction) -> None:
     s = verbs.add_parser("synth", help="generate legal case files or patient histories with QA pairs",
                          description="Synthetic long documents with planted facts and checkable questions "
                                      "(one JSON record per line).")
@@ -41,6 +45,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--out", required=True, help="output .jsonl file")
     s.set_defaults(func=_synth)
 
+
+def _add_prepare(verbs: argparse._SubParsersAction) -> None:
     q = verbs.add_parser("prepare", help="tokenize documents into training rows",
                          description="Tokenize jsonl/json/parquet/csv files, documents (.txt, .md, .pdf, .docx, "
                                      ".html; PDF and DOCX need `pip install 'longdoc[docs]'`) and folders of them, "
@@ -85,6 +91,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "its own question order and windows (default 1)")
     q.set_defaults(func=_prepare)
 
+
+def _add_plant(verbs: argparse._SubParsersAction) -> None:
     t = verbs.add_parser("plant", help="plant artificial retrieval facts and their questions in QA documents",
                          description="Each document of a QA jsonl (`longdoc data synth` records) gets --facts key-value"
                                      " sentences at random sentence boundaries and one question per fact (kind "
@@ -96,6 +104,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--out", required=True, help="output .jsonl file")
     t.set_defaults(func=_plant)
 
+
+def _add_rehearse(verbs: argparse._SubParsersAction) -> None:
     r = verbs.add_parser("rehearse", help="sample replay text from the base model itself (a data.mix rehearsal source)",
                          description="Self-synthesised rehearsal (longdoc.corpus.rehearsal): the model writes user "
                                      "requests and answers them, sampled at temperature 1, one {doc_id, text} record "

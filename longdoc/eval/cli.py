@@ -193,7 +193,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                             "guard",
                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ev.add_subparsers(dest="eval_cmd", metavar="COMMAND", required=True)
+    for add in (_add_qa, _add_needle, _add_position_loss, _add_chat_loss, _add_ruler, _add_compare, _add_guard):
+        add(sub)
 
+
+def _add_qa(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("qa", help="document QA: EM/F1 (generation) and answer NLL (teacher forcing)")
     _common(p)
     _qa_args(p, required=True)
@@ -201,6 +205,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                  "longdoc cannot read)")
     p.set_defaults(func=_run_task, task="qa")
 
+
+def _add_needle(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("needle", help="needle in a haystack: accuracy grid (length x depth) and heatmap")
     _common(p)
     _needle_args(p)
@@ -210,6 +216,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=cliargs.length, default=32, help="answer length cap (default: %(default)s)")
     p.set_defaults(func=_run_task, task="needle")
 
+
+def _add_position_loss(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("position-loss", help="mean token loss by position over long documents, curve PNG")
     _common(p)
     p.add_argument("--data", nargs="+", default=None, dest="pl_data",
@@ -225,6 +233,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--limit-docs", type=int, default=None, help="first N documents per --data file")
     p.set_defaults(func=_run_task, task="position-loss")
 
+
+def _add_chat_loss(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat-loss", help="held-out chat loss: mean loss per assistant token of conversations")
     _common(p)
     p.add_argument("--data", nargs="+", required=True, dest="chat_data",
@@ -238,6 +248,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--limit-docs", type=int, default=None, help="first N conversations per --data file")
     p.set_defaults(func=_run_task, task="chat-loss")
 
+
+def _add_ruler(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("ruler", help="RULER-style suite: 8 synthetic long-context tasks x lengths, score grid, heatmap")
     _common(p)
     _ruler_args(p, alone=True)
@@ -245,6 +257,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                  "the same flag as `eval qa --skip-bad`)")
     p.set_defaults(func=_run_task, task="ruler")
 
+
+def _add_compare(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compare", help="base vs fine-tuned side by side: two run folders, or two models to evaluate")
     p.add_argument("a", help="run folder (or suite folder) or model of the first side (e.g. the base model)")
     p.add_argument("b", help="run folder or model of the second side (e.g. the fine-tuned model)")
@@ -261,6 +275,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     cache_args(p)
     p.set_defaults(func=_run_compare, task="compare")
 
+
+def _add_guard(sub: argparse._SubParsersAction) -> None:
     from longdoc.eval.harm import RULE
 
     p = sub.add_parser("guard", help="no-harm check before shipping: base vs tuned on your own held-out text; exit 1 "

@@ -66,9 +66,10 @@ plus the runtime (CUDA context + NCCL, or the Python process) and allocator slac
 
 from __future__ import annotations
 
-from longdoc.parallel.layout import num_chunks
+from dataclasses import dataclass
+
 from longdoc.parallel.selection import MASK_ELEMENTS
-from longdoc.plan import kinds, strategies
+from longdoc.plan import kinds, memory_notes, strategies
 from longdoc.plan.activations import LORA_TARGETS, layer_bytes_per_token, layer_parts_per_token  # noqa: F401
 from longdoc.plan.hardware import GIB
 from longdoc.plan.setups import CATEGORIES, MemoryEstimate, Setup, Term  # noqa: F401 - re-exported
@@ -81,89 +82,148 @@ def _comm_buffers(s: Setup) -> tuple[float, str]:
                               kv_heads=sh.kv_heads, head_dim=sh.head_dim, c=s.c)
 
 
+def _residual(s: Setup) -> tuple[int, str]:
+    """r, bytes of the residual stream, norms and cos/sin (fp32 under CPU autocast: fp32 embeddings, fp32 adds), and
+    the symbol the formulas print for it."""
+    return (4, "r") if s.dev.autocast else (s.c, "c")
+
+
+def _gathered(s: Setup) -> int:
+    """f, bytes of a gathered parameter and its unsharded gradient: FSDP2's bf16 mixed precision on GPUs; on CPU
+    longdoc's fully_shard has no mixed-precision policy, so it gathers the fp32 weights (the autocast casts follow)."""
+    return s.c if s.dev.is_gpu else 4
+
+
 def estimate(s: Setup) -> MemoryEstimate:
     """Every phase's live terms, and which phase is the peak."""
-    sh, dev, n, c, S = s.shape, s.dev, s.tokens, s.c, s.shards
-    h, i, q, v, nl = sh.hidden, sh.intermediate, sh.q, sh.vocab, sh.layers
-    p, p_t, p_l = sh.params.total, s.trainable, sh.params.layer
-    chunked = s.loss_chunk is not None
-    # r: bytes of the residual stream, norms and cos/sin: fp32 under CPU autocast (fp32 embeddings, fp32 adds)
-    r, wb = (4 if dev.autocast else c), dev.weight_bytes
-    rs = "r" if dev.autocast else "c"  # the symbol the formulas print
-    T = Term
+    live = _Live.of(s)
+    phases = {"forward": _forward(s, live), "loss": _loss(s, live), "backward": _backward(s, live),
+              "optimizer": [*live.state, Term("gradients", "grads", f"P_t*4/S = {s.trainable:,}*4/{s.shards}",
+                                              s.trainable * 4 / s.shards), _adam_temporaries(s)]}
+    dev = s.dev
+    runtime = Term("runtime", "runtime", f"{dev.name}: {dev.runtime_gib} GiB", dev.runtime_gib * GIB)
+    for terms in phases.values():
+        short = sum(t.bytes for t in terms if t.category in ("activations", "loss", "comm_buffers", "fsdp_buffers"))
+        terms.append(runtime)
+        if dev.slack:
+            terms.append(Term("allocator slack", "slack", f"{dev.slack:g} x short-lived bytes", dev.slack * short))
+    peak = max(phases, key=lambda k: sum(t.bytes for t in phases[k]))
+    return MemoryEstimate(setup=s, phases=phases, peak_phase=peak, notes=memory_notes.notes(s, _kinds_priced(s.shape)))
 
-    if s.lora:
-        weights = T("weights", "weights", f"P*w + P_t*4 = {p:,}*{wb} + {p_t:,}*4", p * wb + p_t * 4)
-    else:
-        weights = T("weights", "weights", f"P*4/S = {p:,}*4/{S}", p * 4 / S)
-    optimizer = T("AdamW moments", "optimizer", f"2*P_t*4/S = 2*{p_t:,}*4/{S}", 2 * p_t * 4 / S)
-    state = [weights, optimizer]
-    if s.ddp_buckets:
-        state.append(T("DDP gradient buckets", "grads", f"P_t*4 = {p_t:,}*4", p_t * 4))
-    runtime = T("runtime", "runtime", f"{dev.name}: {dev.runtime_gib} GiB", dev.runtime_gib * GIB)
 
-    a_tok = layer_bytes_per_token(sh, c, s.lora, s.lora_rank, s.lora_targets, autocast=dev.autocast,
-                                  tiled_mlp=s.tiled_mlp)
-    t_mlp = s.mlp_tokens
-    per_layer = layer_saved_bytes(s)  # what each layer saves for its backward (kinds: longdoc.plan.kinds)
-    uniform = not _kinds_priced(sh)
-    rotary = T("rotary cos/sin", "activations", f"2*N*rotary_dim*{rs} = 2*{n:,}*{sh.rotary_dim}*{r}",
-               2 * n * sh.rotary_dim * r)
+@dataclass(frozen=True)
+class _Live:
+    """The terms several phases of one step hold: the state (weights, AdamW moments, DDP buckets), RoPE's cos/sin,
+    the FSDP root unit, the lm_head gradient, and what the layers keep for their backward."""
 
-    def saved(layers: int) -> Term:
+    s: Setup
+    state: list[Term]
+    rotary: Term
+    fsdp_root: list[Term]
+    head_grad: Term | None  # None: nothing trains the lm_head (LoRA)
+    a_tok: float  # A: bytes a Llama-style layer saves per token
+    per_layer: list[float]  # bytes each layer saves on this rank (kinds: longdoc.plan.kinds)
+    uniform: bool  # every layer is a Llama-style one (A*N)
+
+    @classmethod
+    def of(cls, s: Setup) -> _Live:
+        sh, dev, S = s.shape, s.dev, s.shards
+        p, p_t, wb = sh.params.total, s.trainable, dev.weight_bytes
+        r, rs = _residual(s)
+        if s.lora:
+            weights = Term("weights", "weights", f"P*w + P_t*4 = {p:,}*{wb} + {p_t:,}*4", p * wb + p_t * 4)
+        else:
+            weights = Term("weights", "weights", f"P*4/S = {p:,}*4/{S}", p * 4 / S)
+        state = [weights, Term("AdamW moments", "optimizer", f"2*P_t*4/S = 2*{p_t:,}*4/{S}", 2 * p_t * 4 / S)]
+        if s.ddp_buckets:
+            state.append(Term("DDP gradient buckets", "grads", f"P_t*4 = {p_t:,}*4", p_t * 4))
+        head_params = 0 if s.lora else (sh.params.head or sh.params.embed)
+        f = _gathered(s)
+        # lm_head gradient (tied: the embedding's): under FSDP it stays unsharded in the gathered dtype until the
+        # root unit's backward ends; otherwise it is the fp32 gradient itself.
+        hg = f if s.uses_fsdp else 4
+        head_grad = Term("lm_head gradient", "fsdp_buffers" if s.uses_fsdp else "grads",
+                         f"P_head*{'f' if s.uses_fsdp else 4} = {head_params:,}*{hg}", head_params * hg)
+        fsdp_root = []
+        if s.uses_fsdp:
+            p_root = p - sh.params.layers  # not resharded after forward: gathered from forward to backward's end
+            fsdp_root = [Term("FSDP root unit (embedding, lm_head, norm) gathered", "fsdp_buffers",
+                              f"P_root*f = {p_root:,}*{f}", p_root * f)]
+        n = s.tokens
+        rotary = Term("rotary cos/sin", "activations", f"2*N*rotary_dim*{rs} = 2*{n:,}*{sh.rotary_dim}*{r}",
+                      2 * n * sh.rotary_dim * r)
+        a_tok = layer_bytes_per_token(sh, s.c, s.lora, s.lora_rank, s.lora_targets, autocast=dev.autocast,
+                                      tiled_mlp=s.tiled_mlp)
+        return cls(s=s, state=state, rotary=rotary, fsdp_root=fsdp_root, head_grad=head_grad if head_params else None,
+                   a_tok=a_tok, per_layer=layer_saved_bytes(s), uniform=not _kinds_priced(sh))
+
+    def saved(self, layers: int) -> Term:
+        """What the first `layers` layers keep for their backward: their checkpoints, or their saved activations."""
+        s, n, h = self.s, self.s.tokens, self.s.shape.hidden
+        r, rs = _residual(s)
         if s.checkpointing and s.offloads:  # the layer being copied out / recomputed and the one fetched ahead
             k = min(layers, 2)
-            return T(f"checkpoints on the device ({k} of {layers} layers, the rest in host memory)", "activations",
-                     f"{k}*N*h*{rs} = {k}*{n:,}*{h}*{r}", k * n * h * r)
+            return Term(f"checkpoints on the device ({k} of {layers} layers, the rest in host memory)", "activations",
+                        f"{k}*N*h*{rs} = {k}*{n:,}*{h}*{r}", k * n * h * r)
         if s.checkpointing:
-            return T(f"checkpoints ({layers} layers)", "activations", f"{layers}*N*h*{rs} = {layers}*{n:,}*{h}*{r}",
-                     layers * n * h * r)
-        if uniform:
-            return T(f"saved activations ({layers} layers)", "activations",
-                     f"{layers}*A*N = {layers}*{a_tok:,.0f}*{n:,}", layers * a_tok * n)
-        return T(f"saved activations ({layers} layers)", "activations", _kinds_formula(sh, per_layer[:layers]),
-                 sum(per_layer[:layers]))
+            return Term(f"checkpoints ({layers} layers)", "activations",
+                        f"{layers}*N*h*{rs} = {layers}*{n:,}*{h}*{r}", layers * n * h * r)
+        if self.uniform:
+            return Term(f"saved activations ({layers} layers)", "activations",
+                        f"{layers}*A*N = {layers}*{self.a_tok:,.0f}*{n:,}", layers * self.a_tok * n)
+        return Term(f"saved activations ({layers} layers)", "activations",
+                    _kinds_formula(s.shape, self.per_layer[:layers]), sum(self.per_layer[:layers]))
 
-    head_params = 0 if s.lora else (sh.params.head or sh.params.embed)
-    # f: bytes of a gathered parameter and its unsharded gradient: FSDP2's bf16 mixed precision on GPUs; on CPU
-    # longdoc's fully_shard has no mixed-precision policy, so it gathers the fp32 weights (the autocast casts follow)
-    f = c if dev.is_gpu else 4
-    # lm_head gradient (tied: the embedding's): under FSDP it stays unsharded in the gathered dtype until the
-    # root unit's backward ends; otherwise it is the fp32 gradient itself.
-    hg = f if s.uses_fsdp else 4
-    head_grad = T("lm_head gradient", "fsdp_buffers" if s.uses_fsdp else "grads",
-                  f"P_head*{'f' if s.uses_fsdp else 4} = {head_params:,}*{hg}", head_params * hg)
-    fsdp_root = []
-    if s.uses_fsdp:
-        p_root = p - sh.params.layers  # not resharded after forward: gathered from forward to backward's end
-        fsdp_root = [T("FSDP root unit (embedding, lm_head, norm) gathered", "fsdp_buffers",
-                       f"P_root*f = {p_root:,}*{f}", p_root * f)]
 
-    # forward of the last layer: every checkpoint + that layer's largest temporaries (gate, up, act)
-    casts = _autocast_weights(s)
+def _forward(s: Setup, live: _Live) -> list[Term]:
+    """The forward of the last layer: every checkpoint + that layer's largest temporaries (gate, up, act)."""
+    sh, c, t_mlp, f = s.shape, s.c, s.mlp_tokens, _gathered(s)
     tn = "T" if s.tiled_mlp else "N"  # the MLP's intermediates span one tile of T tokens when tiled
-    forward = [*state, saved(nl), rotary, *casts["forward"], T("layer forward temporaries", "activations",
-                                            f"3*c*{tn}*I = 3*{c}*{t_mlp:,}*{i:,}", 3 * c * t_mlp * i), *fsdp_root]
+    terms = [*live.state, live.saved(sh.layers), live.rotary, *_autocast_weights(s)["forward"],
+             Term("layer forward temporaries", "activations", f"3*c*{tn}*I = 3*{c}*{t_mlp:,}*{sh.intermediate:,}",
+                  3 * c * t_mlp * sh.intermediate), *live.fsdp_root]
     if sh.indexer is not None:  # the indexer's keys of the whole sequence and one score tile (no_grad: not saved)
         keys = s.micro_batch * s.padded_len * sh.indexer.head_dim * c
-        forward.append(T("DSA indexer: all index keys + one score tile", "activations",
-                         f"B*L*d_idx*c + 4*S_tile = {s.micro_batch}*{s.padded_len:,}*{sh.indexer.head_dim}*{c} + "
-                         f"4*{kinds.DSA_SCORE_ELEMENTS:,}", keys + 4 * kinds.DSA_SCORE_ELEMENTS))
+        terms.append(Term("DSA indexer: all index keys + one score tile", "activations",
+                          f"B*L*d_idx*c + 4*S_tile = {s.micro_batch}*{s.padded_len:,}*{sh.indexer.head_dim}*{c} + "
+                          f"4*{kinds.DSA_SCORE_ELEMENTS:,}", keys + 4 * kinds.DSA_SCORE_ELEMENTS))
     if s.uses_fsdp:
-        forward.append(T("FSDP layers gathered (current + prefetched)", "fsdp_buffers",
-                         f"2*P_l*f = 2*{p_l:,}*{f}", 2 * p_l * f))
+        terms.append(Term("FSDP layers gathered (current + prefetched)", "fsdp_buffers",
+                          f"2*P_l*f = 2*{sh.params.layer:,}*{f}", 2 * sh.params.layer * f))
+    return terms
 
-    # loss: the CE backward of the last chunk; earlier chunks' lm_head gradient exists already
-    loss = [*state, saved(nl), rotary, *casts["loss"], _loss_inputs(s),
-            T("loss chunk (fp32 log-probs, their grad, logits grad)", "loss",
-              f"12*C*V = 12*{s.chunk:,}*{v:,}", 12.0 * s.chunk * v), *fsdp_root]
-    if chunked and head_params:
-        loss.append(head_grad)
+
+def _loss(s: Setup, live: _Live) -> list[Term]:
+    """The CE backward of the last loss chunk; earlier chunks' lm_head gradient exists already."""
+    sh = s.shape
+    terms = [*live.state, live.saved(sh.layers), live.rotary, *_autocast_weights(s)["loss"], _loss_inputs(s),
+             Term("loss chunk (fp32 log-probs, their grad, logits grad)", "loss",
+                  f"12*C*V = 12*{s.chunk:,}*{sh.vocab:,}", 12.0 * s.chunk * sh.vocab), *live.fsdp_root]
+    if s.loss_chunk is not None and live.head_grad is not None:
+        terms.append(live.head_grad)
     if s.uses_fsdp:  # measured: the last layer's all-gather output (P_l fp32 on CPU) is alive in every loss chunk
-        loss.append(T("FSDP last layer gathered ahead of its backward (prefetch)", "fsdp_buffers",
-                      f"P_l*f = {p_l:,}*{f}", p_l * f))
+        p_l, f = sh.params.layer, _gathered(s)
+        terms.append(Term("FSDP last layer gathered ahead of its backward (prefetch)", "fsdp_buffers",
+                          f"P_l*f = {p_l:,}*{f}", p_l * f))
+    return terms
 
-    # backward of layer j (n-1 first): inputs of layers 0..j, gradients of the layers above, layer j's tensors
+
+def _backward(s: Setup, live: _Live) -> list[Term]:
+    """The backward of the worst layer j (usually the last, at large cp the first): inputs of layers 0..j,
+    gradients of the layers above, layer j's tensors."""
+    sh = s.shape
+    workspace = _backward_workspace(s)
+    grad_layer = (lora_params_per_layer(sh, s.lora_rank, s.lora_targets) if s.lora else sh.params.layer) * 4 / s.shards
+    return max((_backward_at(s, live, j, workspace, grad_layer) for j in range(sh.layers)),
+               key=lambda ts: sum(t.bytes for t in ts))
+
+
+def _backward_workspace(s: Setup) -> list[Term]:
+    """A layer's backward temporaries: the MLP's, or the attention's workspace and the strategy's communication
+    buffers, whichever is larger."""
+    sh, c, n, t_mlp = s.shape, s.c, s.tokens, s.mlp_tokens
+    h, i, q = sh.hidden, sh.intermediate, sh.q
+    r, rs = _residual(s)
     # tiled: one tile recomputed with grad (its 4cTI saved + 2cTI gradients) beside the whole input gradient
     # untiled: the gradients of the product, act and up (3cNI) beside the saved gate, up and act; the product is
     # freed by then where down_proj saved it (a frozen down_proj under LoRA saves no input: nothing freed)
@@ -178,50 +238,43 @@ def estimate(s: Setup) -> MemoryEstimate:
     attn_tmp = 4 * n * q + 2 * c * n * q - freed
     if sh.indexer is not None:  # selected keys: one bool mask tile and the additive mask a kernel builds from it
         attn_tmp += MASK_ELEMENTS * (1 + c)
-    grad_layer = (lora_params_per_layer(sh, s.lora_rank, s.lora_targets) if s.lora else p_l) * 4 / S
+    if attn_tmp + comm > mlp_tmp:
+        return [Term("attention backward workspace", "activations",
+                     f"4Nq + 2cNq - freed MLP = {n:,}*(4*{q} + 2*{c}*{q}) - {freed:,}", attn_tmp),
+                Term(f"{s.strategy} buffers", "comm_buffers", comm_formula, comm)]
+    return [Term("tiled MLP backward (one tile)" if s.tiled_mlp else "MLP backward temporaries", "activations",
+                 mlp_formula, mlp_tmp)]
 
-    def backward_at(j: int) -> list[Term]:
-        terms = [*state, saved(j + 1), rotary]
-        if dev.autocast:
-            layers = 1 if s.checkpointing else j + 1
-            terms.append(T(f"autocast bf16 weights saved ({layers} layers)", "activations",
-                           f"{layers}*P_l*c = {layers}*{p_l:,}*{c}", layers * p_l * c))
-        if s.checkpointing:
-            # In fp32 the first norm's saved input IS the checkpointed layer input: not counted twice.
-            alias = n * h * 4 if r == 4 else 0
-            if uniform:
-                terms.append(T("recomputed layer", "activations", f"A*N - alias = {a_tok:,.0f}*{n:,} - {alias:,}",
-                               a_tok * n - alias))
-            else:
-                terms.append(T(f"recomputed layer ({kinds.kind_label(sh, j)})", "activations",
-                               f"A_{j}*N - alias = {per_layer[j]:,.0f} - {alias:,}", per_layer[j] - alias))
-        if attn_tmp + comm > mlp_tmp:
-            terms += [T("attention backward workspace", "activations",
-                        f"4Nq + 2cNq - freed MLP = {n:,}*(4*{q} + 2*{c}*{q}) - {freed:,}", attn_tmp),
-                      T(f"{s.strategy} buffers", "comm_buffers", comm_formula, comm)]
+
+def _backward_at(s: Setup, live: _Live, j: int, workspace: list[Term], grad_layer: float) -> list[Term]:
+    """The terms live in layer j's backward."""
+    sh, p_l = s.shape, s.shape.params.layer
+    terms = [*live.state, live.saved(j + 1), live.rotary]
+    if s.dev.autocast:
+        layers = 1 if s.checkpointing else j + 1
+        terms.append(Term(f"autocast bf16 weights saved ({layers} layers)", "activations",
+                          f"{layers}*P_l*c = {layers}*{p_l:,}*{s.c}", layers * p_l * s.c))
+    if s.checkpointing:  # layer j's saved tensors while its backward recomputes it from the checkpoint
+        # In fp32 the first norm's saved input IS the checkpointed layer input: not counted twice.
+        n, h = s.tokens, sh.hidden
+        alias = n * h * 4 if _residual(s)[0] == 4 else 0
+        if live.uniform:
+            terms.append(Term("recomputed layer", "activations", f"A*N - alias = {live.a_tok:,.0f}*{n:,} - {alias:,}",
+                              live.a_tok * n - alias))
         else:
-            terms.append(T("tiled MLP backward (one tile)" if s.tiled_mlp else "MLP backward temporaries",
-                           "activations", mlp_formula, mlp_tmp))
-        above = nl - 1 - j
-        if above:
-            terms.append(T(f"gradients ({above} layers)", "grads", f"{above}*P_l_t*4/S", above * grad_layer))
-        if head_params:
-            terms.append(head_grad)
-        if s.uses_fsdp:
-            terms += [*fsdp_root, T("FSDP layer buffers (2 gathered, grad, fp32 reduce copy)", "fsdp_buffers",
-                                    f"P_l*(3f + 4) = {p_l:,}*(3*{f} + 4)", p_l * (3 * f + 4))]
-        return terms
-
-    backward = max((backward_at(j) for j in range(nl)), key=lambda ts: sum(t.bytes for t in ts))
-    optim = [*state, T("gradients", "grads", f"P_t*4/S = {p_t:,}*4/{S}", p_t * 4 / S), _adam_temporaries(s)]
-    phases = {"forward": forward, "loss": loss, "backward": backward, "optimizer": optim}
-    for terms in phases.values():
-        short = sum(t.bytes for t in terms if t.category in ("activations", "loss", "comm_buffers", "fsdp_buffers"))
-        terms.append(runtime)
-        if dev.slack:
-            terms.append(T("allocator slack", "slack", f"{dev.slack:g} x short-lived bytes", dev.slack * short))
-    peak = max(phases, key=lambda k: sum(t.bytes for t in phases[k]))
-    return MemoryEstimate(setup=s, phases=phases, peak_phase=peak, notes=_notes(s))
+            terms.append(Term(f"recomputed layer ({kinds.kind_label(sh, j)})", "activations",
+                              f"A_{j}*N - alias = {live.per_layer[j]:,.0f} - {alias:,}", live.per_layer[j] - alias))
+    terms += workspace
+    above = sh.layers - 1 - j
+    if above:
+        terms.append(Term(f"gradients ({above} layers)", "grads", f"{above}*P_l_t*4/S", above * grad_layer))
+    if live.head_grad is not None:
+        terms.append(live.head_grad)
+    if s.uses_fsdp:
+        f = _gathered(s)
+        terms += [*live.fsdp_root, Term("FSDP layer buffers (2 gathered, grad, fp32 reduce copy)", "fsdp_buffers",
+                                        f"P_l*(3f + 4) = {p_l:,}*(3*{f} + 4)", p_l * (3 * f + 4))]
+    return terms
 
 
 def _kinds_priced(shape) -> bool:
@@ -257,8 +310,7 @@ def _loss_inputs(s: Setup) -> Term:
     """The final norm (fp32 input, rsqrt, normed), the lm_head's input and the chunked loss's copy of its tokens'
     hidden states."""
     n, h = s.tokens, s.shape.hidden
-    r = 4 if s.dev.autocast else s.c
-    rs = "r" if s.dev.autocast else "c"
+    r, rs = _residual(s)
     if s.shape.norm_fp32 and r < 4:  # the final norm keeps its fp32 normalised x (shapes.ModelShape.norm_fp32)
         return Term("final norm + loss inputs", "activations", f"N*(8h + 4 + 2{rs}h) = {n:,}*(8*{h} + 4 + 2*{r}*{h})",
                     n * (8 * h + 4 + 2 * r * h))
@@ -277,8 +329,7 @@ def saved_for_backward(s: Setup) -> list[Term]:
     ids = Term("token ids and labels (int64)", "activations", f"16*N = 16*{n:,}", 16 * n)
     if s.loss_chunk is not None:
         return [*terms, _loss_inputs(s), ids]
-    r = 4 if s.dev.autocast else s.c
-    rs = "r" if s.dev.autocast else "c"
+    r, rs = _residual(s)
     normed = 4 if s.shape.norm_fp32 else r
     return [*terms, Term("final norm + lm_head input + fp32 log-probs", "activations",
                          f"N*(4h + 4 + {normed}h + {rs}h + 4V) = {n:,}*(4*{h} + 4 + {normed}*{h} + {r}*{h} + 4*{v:,})",
@@ -319,43 +370,3 @@ def _adam_temporaries(s: Setup) -> Term:
     largest = max(sh.params.embed, sh.params.head, sh.hidden * sh.intermediate) if not s.lora else s.trainable
     # per-tensor AdamW on CPU: sqrt(exp_avg_sq) and the denominator, for the largest tensor
     return Term("AdamW temporaries", "optimizer", f"2*largest*4 = 2*{largest:,}*4", 2 * largest * 4)
-
-
-def _notes(s: Setup) -> list[str]:
-    notes, sh = [], s.shape
-    if sh.experts is not None:
-        notes.append("MoE layers: the router, the k routed copies of each token through the experts and the shared "
-                     "experts are priced as they are saved (longdoc/plan/kinds.py); the forward and backward "
-                     f"temporaries use the widest MLP a token passes, I = {sh.intermediate:,} (k*expert + shared, or "
-                     f"a dense layer's)")
-    if s.shape.max_positions and s.seq_len > s.shape.max_positions:
-        notes.append(f"seq_len {s.seq_len} exceeds the model's context ({s.shape.max_positions}); train with "
-                     f"model.rope_type=yarn and a rope_factor")
-    modelled = sorted({sh.mixer(j) for j in range(sh.layers)} & MODELLED_MIXERS)
-    if modelled:
-        notes.append(f"hybrid model ({', '.join(modelled)} layers): the chunked scans' saved intermediates, conv "
-                     f"halos and this rank's state summaries are priced per layer (longdoc/plan/kinds.py), one "
-                     f"document per row (packed rows run more pieces); the scans' backward temporaries are not "
-                     f"modelled (every layer is given the attention backward's workspace)")
-    unmodelled = sorted({sh.mixer(j) for j in range(sh.layers)} - MODELLED_MIXERS - {"attention"})
-    if not sh.layer_kinds and sh.mixers:
-        unmodelled = list(sh.mixers)
-    if unmodelled:
-        notes.append(f"not modelled yet, priced as attention layers: {'; '.join(unmodelled)} (state summaries, "
-                     f"halos, scan intermediates); measure them (`longdoc bench kinds`, a short `longdoc train` run)")
-    if sh.indexer is not None:
-        notes.append(f"sparse indexed attention (DSA): its int32 top-k indices (saved), the indexer's keys of the "
-                     f"whole sequence with one {4 * kinds.DSA_SCORE_ELEMENTS // 2**20} MiB score tile (forward) and "
-                     f"the selected-key mask tile (backward) are priced; its attention FLOPs as dense causal attention")
-    if (s.lora or s.dev.autocast) and _kinds_priced(sh):
-        notes.append("LoRA / CPU autocast are modelled for attention layers with dense MLPs; the other kinds' "
-                     "layers (recurrent mixers, MoE, MLA) are priced with their full fine-tuning terms")
-    if s.offloads:
-        host = s.shape.layers * s.tokens * s.shape.hidden * s.c
-        notes.append(f"offloaded layer checkpoints take {host / GIB:.1f} GiB of (pinned) host memory per rank")
-    elif s.offload:
-        notes.append("offload on a CPU: host memory is the device's, so the checkpoints weigh the same")
-    if s.padded_len != s.seq_len:
-        notes.append(f"the sequence is padded from {s.seq_len} to {s.padded_len} tokens (a multiple of "
-                     f"{num_chunks(s.layout, s.cp)})")
-    return notes
