@@ -66,8 +66,8 @@ class PlanRequest:
     # a run needs them to fit (near ties go to the configuration without: they cost copies and recompute)
     offload: bool | None = None
     tiled_mlp: bool | None = None
-    mlp_tile: int | None = None  # tokens per tiled-MLP tile (None: the hidden size, train.mlp_tile_tokens' default)
-    fsdp: bool | None = None  # None: FSDP2 for full fine-tuning on GPUs; on CPU both are considered (train.fsdp)
+    mlp_tile: int | None = None  # tokens per tiled-MLP tile (None: the hidden size, parallelism.mlp_tile_tokens' default)
+    fsdp: bool | None = None  # None: FSDP2 for full fine-tuning on GPUs; on CPU both are considered (parallelism.fsdp)
     layers: int | None = None  # plan the model at this depth (the benchmarks' reduced-depth runs)
 
     def __post_init__(self):
@@ -180,7 +180,7 @@ def _memory_options(req: PlanRequest) -> list[tuple[bool, bool, bool, bool | Non
     gpu = device(req.gpu).is_gpu
     acs = [req.checkpointing] if req.checkpointing is not None else [False, True]
     tiles = [req.tiled_mlp] if req.tiled_mlp is not None else [False, True]
-    # FSDP: a GPU's default is the trainer's (FSDP2 for full fine-tuning); on CPU train.fsdp is opt-in: both
+    # FSDP: a GPU's default is the trainer's (FSDP2 for full fine-tuning); on CPU parallelism.fsdp is opt-in: both
     fsdps: list[bool | None] = [req.fsdp] if req.fsdp is not None or gpu or req.lora or req.gpus == 1 \
         else [False, True]
     out = []

@@ -45,10 +45,10 @@ class Setup:
     #                          a single process in DDP (its gradient buckets included), so CPU runs pass True.
     steps: int | None = None  # optimizer steps of the run (None: a long run). DDP rebuilds its gradient buckets in
     #                           the 2nd step, so they are resident at the peak from the 3rd step on only
-    offload: bool = False  # train.offload_checkpoints: layer checkpoints in (pinned) host memory, fetched one layer
+    offload: bool = False  # parallelism.offload_checkpoints: layer checkpoints in (pinned) host memory, fetched one layer
     #                        ahead of the recompute (GPUs; on a CPU the host is the device and nothing moves)
-    tiled_mlp: bool = False  # train.tiled_mlp: the MLP over token tiles with recompute (longdoc.hf.tiled_mlp)
-    mlp_tile: int | None = None  # tokens per MLP tile (None: the hidden size, train.mlp_tile_tokens' default)
+    tiled_mlp: bool = False  # parallelism.tiled_mlp: the MLP over token tiles with recompute (longdoc.hf.tiled_mlp)
+    mlp_tile: int | None = None  # tokens per MLP tile (None: the hidden size, parallelism.mlp_tile_tokens' default)
 
     def __post_init__(self):
         check_precision(self.precision)
