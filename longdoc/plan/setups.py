@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from longdoc.parallel.api import Strategy, check_strategy
+from longdoc.parallel import strategy as registry
+from longdoc.parallel.api import check_strategy
 from longdoc.parallel.layout import Layout, check_layout, num_chunks, round_up
 from longdoc.plan import strategies
 from longdoc.plan.activations import LORA_TARGETS
@@ -25,7 +26,7 @@ class Setup:
     cp: int = 1
     dp: int = 1
     micro_batch: int = 1
-    strategy: Strategy = "ring"
+    strategy: str = "ring"
     ulysses_size: int | None = None  # usp only: ranks per Ulysses group (a divisor of cp); cp = ring x Ulysses
     layout: Layout = "zigzag"
     checkpointing: bool = True
@@ -57,9 +58,10 @@ class Setup:
         check_layout(self.layout)
         if min(self.seq_len, self.cp, self.dp, self.micro_batch) < 1:
             raise ValueError("seq_len, cp, dp and micro_batch must be positive")
-        if (self.strategy == "usp") != (self.ulysses_size is not None):
-            raise ValueError(f"ulysses_size goes with strategy 'usp' (and only with it); got {self.ulysses_size!r} "
-                             f"with {self.strategy!r}")
+        if registry.get(self.strategy).factored != (self.ulysses_size is not None):
+            factored = " or ".join(repr(n) for n in registry.names() if registry.get(n).factored)
+            raise ValueError(f"ulysses_size goes with strategy {factored} (and only with it); got "
+                             f"{self.ulysses_size!r} with {self.strategy!r}")
         strategies.check_heads(self.strategy, self.cp, self.ulysses_size, self.shape.heads)
         if self.loss_chunk is not None and self.loss_chunk < 1:
             raise ValueError("loss_chunk must be positive (or None for no chunking)")
