@@ -23,10 +23,9 @@ from longdoc.parallel.ulysses import Grid
 def check_strategy(strategy: str, cp: ContextParallel | None = None) -> str:
     """`strategy` if it names a registered CP strategy (longdoc.parallel.strategy), else a ValueError listing them;
     with `cp`, also that the group is set up for it (usp: factored with ulysses_size)."""
+    chosen = strategies.get(strategy)
     if cp is not None:
-        strategies.get(strategy).heads_split(cp.size, cp.ulysses_size)
-    else:
-        strategies.get(strategy)
+        chosen.heads_split(cp.size, cp.ulysses_size)
     return strategy
 
 
