@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from longdoc.parallel import strategy as registry
 from longdoc.spawn import run_local
 
 VARIANTS = (("zigzag", "ring"), ("contiguous", "ring"), ("zigzag", "allgather"), ("contiguous", "allgather"),
@@ -115,10 +116,11 @@ def variants(cfg: AttentionBenchConfig) -> list[tuple[str, str, str, int | None]
     """(name, layout, strategy, ulysses_size) of the CP rows."""
     out = []
     for layout, strategy in VARIANTS:
-        u = cfg.usp_size() if strategy == "usp" else None
-        if strategy == "usp" and u is None:
+        factored = registry.get(strategy).factored
+        u = cfg.usp_size() if factored else None
+        if factored and u is None:
             continue
-        name = f"{layout}/{strategy}" + (f" {cfg.ranks // u}x{u}" if strategy == "usp" else "")
+        name = f"{layout}/{strategy}" + (f" {cfg.ranks // u}x{u}" if factored else "")
         out.append((name, layout, strategy, u))
     return out
 

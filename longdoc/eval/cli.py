@@ -37,7 +37,7 @@ import sys
 from typing import Any
 
 from longdoc import cliargs, zoo
-from longdoc.parallel.api import STRATEGIES
+from longdoc.parallel import strategy as registry
 from longdoc.parallel.layout import LAYOUTS
 
 
@@ -64,7 +64,7 @@ def _common(p: argparse.ArgumentParser, model: bool = True) -> None:
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default: %(default)s)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="auto = CUDA under a launcher when available, else CPU")
-    p.add_argument("--strategy", default="ring", choices=STRATEGIES, help="CP attention for the prefill")
+    p.add_argument("--strategy", default="ring", choices=registry.names(), help="CP attention for the prefill")
     p.add_argument("--ulysses-size", type=int, default=None,
                    help="with --strategy usp: ranks per Ulysses group (a divisor of --cp; ring across the groups)")
     p.add_argument("--layout", default="zigzag", choices=LAYOUTS)
@@ -312,7 +312,7 @@ def config(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--rope-factor needs --rope-type (linear or yarn), e.g. --rope-type yarn --rope-factor 2")
     if cfg.get("rope_type") is not None and (cfg.get("rope_factor") or 0) <= 1:
         raise ValueError(f"--rope-type {cfg['rope_type']} needs --rope-factor > 1 (e.g. 2: twice the context)")
-    if cfg.get("strategy") == "usp" and not cfg.get("ulysses_size"):
+    if registry.get(cfg.get("strategy", "ring")).factored and not cfg.get("ulysses_size"):
         raise ValueError("--strategy usp needs --ulysses-size U (ranks per Ulysses group, a divisor of --cp)")
     if cfg.get("ulysses_size") is not None and (cfg["ulysses_size"] < 1 or cfg.get("cp", 1) % cfg["ulysses_size"]):
         raise ValueError(f"--ulysses-size must divide --cp {cfg.get('cp', 1)}, got {cfg['ulysses_size']}")

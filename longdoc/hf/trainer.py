@@ -36,6 +36,7 @@ from transformers import Trainer
 
 from longdoc.hf.patch import chunked_loss, patch
 from longdoc.parallel import comm
+from longdoc.parallel import strategy as registry
 from longdoc.parallel.api import ContextParallel, check_strategy
 from longdoc.parallel.batch import count_loss_tokens, shard_batch, source_index
 from longdoc.parallel.groups import Groups, make_groups, reduce_gradients_on
@@ -60,11 +61,13 @@ def _launched_world_size() -> int:
 def check_ulysses_size(strategy: str, ulysses_size: int | None, cp_size: int) -> None:
     """cp_ulysses_size goes with cp_strategy="usp" and divides cp_size (checked before anything joins)."""
     divisors = [d for d in range(1, cp_size + 1) if cp_size % d == 0]
-    if strategy == "usp" and ulysses_size is None:
-        raise ValueError(f"CPTrainer: cp_strategy='usp' factors cp_size={cp_size} as ring x Ulysses; pass "
+    factored = registry.get(strategy).factored
+    if factored and ulysses_size is None:
+        raise ValueError(f"CPTrainer: cp_strategy={strategy!r} factors cp_size={cp_size} as ring x Ulysses; pass "
                          f"cp_ulysses_size, one of {divisors}")
-    if ulysses_size is not None and strategy != "usp":
-        raise ValueError(f"CPTrainer: cp_ulysses_size only applies to cp_strategy='usp' (got {strategy!r})")
+    if ulysses_size is not None and not factored:
+        usable = " or ".join(f"cp_strategy={n!r}" for n in registry.names() if registry.get(n).factored)
+        raise ValueError(f"CPTrainer: cp_ulysses_size only applies to {usable} (got {strategy!r})")
     if ulysses_size is not None and ulysses_size not in divisors:
         raise ValueError(f"CPTrainer: cp_ulysses_size must be a divisor of cp_size={cp_size} ({divisors}), got "
                          f"{ulysses_size!r}")

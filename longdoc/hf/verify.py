@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 from longdoc import cliargs, zoo
 from longdoc.errors import EXIT_CODES
-from longdoc.parallel.api import STRATEGIES
+from longdoc.parallel import strategy as registry
 from longdoc.parallel.layout import LAYOUTS
 
 
@@ -88,7 +88,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
     p.add_argument("--layout", default="zigzag", choices=LAYOUTS)
-    p.add_argument("--strategy", default="ring", choices=STRATEGIES)
+    p.add_argument("--strategy", default="ring", choices=registry.names())
     p.add_argument("--ulysses-size", type=int, default=None,
                    help="with --strategy usp: ranks per Ulysses group (a divisor of --cp; ring across the groups)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random tokens (and of random init)")
@@ -105,7 +105,7 @@ def _main(args: argparse.Namespace) -> int:
                          f"{args.seq_len} --batch-size {args.batch_size}")
     if args.text is not None and not os.path.isfile(args.text):
         raise FileNotFoundError(f"--text {args.text!r} is not a file")
-    if (args.strategy == "usp") != (args.ulysses_size is not None) or \
+    if registry.get(args.strategy).factored != (args.ulysses_size is not None) or \
             (args.ulysses_size is not None and (args.ulysses_size < 1 or args.cp % args.ulysses_size)):
         raise ValueError(f"--strategy usp goes with --ulysses-size U, a divisor of --cp (and --ulysses-size with "
                          f"--strategy usp only), got --strategy {args.strategy} --ulysses-size {args.ulysses_size} "

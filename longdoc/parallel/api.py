@@ -14,19 +14,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from longdoc.parallel import batch as batches
 from longdoc.parallel import comm, kernels, patterns_meta
 from longdoc.parallel import layout as layouts
-from longdoc.parallel.allgather import allgather_attention
+from longdoc.parallel import strategy as strategies
 from longdoc.parallel.guard import Guard
-from longdoc.parallel.inputs import STRATEGIES, Strategy, _describe, _Meta, _problem  # noqa: F401 - re-exported
-from longdoc.parallel.ring import ring_attention
-from longdoc.parallel.ulysses import Grid, ulysses_attention
+from longdoc.parallel.inputs import _describe, _Meta, _problem
+from longdoc.parallel.ulysses import Grid
 
 
 def check_strategy(strategy: str, cp: ContextParallel | None = None) -> str:
-    """The one place a CP strategy name is validated (with `cp`: also that the group is set up for it)."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))}, got {strategy!r}")
+    """`strategy` if it names a registered CP strategy (longdoc.parallel.strategy), else a ValueError listing them;
+    with `cp`, also that the group is set up for it (usp: factored with ulysses_size)."""
+    chosen = strategies.get(strategy)
     if cp is not None:
-        _ulysses_width(cp, strategy)
+        chosen.heads_split(cp.size, cp.ulysses_size)
     return strategy
 
 
@@ -39,20 +38,6 @@ def _check_ulysses_size(ulysses_size, size: int) -> int | None:
         raise ValueError(f"ulysses_size must be a divisor of the CP group size {size} ({divisors}), got "
                          f"{ulysses_size!r}; the group is factored as ring_size x ulysses_size")
     return ulysses_size
-
-
-def _ulysses_width(cp, strategy: str) -> int:
-    """How many ranks split the heads for `strategy` (1 for the strategies that do not)."""
-    if strategy == "ulysses":
-        return cp.size
-    if strategy == "usp":
-        if cp.ulysses_size is None:
-            divisors = [d for d in range(1, cp.size + 1) if cp.size % d == 0]
-            raise ValueError(f"strategy='usp' factors the CP group as ring_size x ulysses_size; "
-                             f"create it with ContextParallel(group, ulysses_size=U), U one of {divisors} (recipes: "
-                             f"parallelism.ulysses_size), or use strategy='ulysses' (U = the whole group) or 'ring'")
-        return cp.ulysses_size
-    return 1
 
 
 class ContextParallel:
@@ -146,17 +131,18 @@ class ContextParallel:
                   for g, axis in zip(made, ("cp_ulysses", "cp_ring"), strict=True)]
         return made[0], comm.Ring(made[1], self.timeout, guards[1]), guards[0]
 
-    def _grid(self, strategy: str) -> Grid:
-        """Where this rank sits for the Ulysses-based strategies."""
-        if strategy == "ulysses":
+    def _grid(self, width: int) -> Grid:
+        """Where this rank sits for a Ulysses group of `width` ranks: the whole group, single ranks, or the group's
+        own factoring (ulysses_size)."""
+        if width == self.size:
             return Grid(self.group if self.size > 1 else None, self.rank, self.size, None, 0, 1, self.layout,
                         self.timeout, self.guard)
-        u = self.ulysses_size
-        ring_index, ulysses_index = divmod(self.rank, u)
-        group = None if u == 1 else self.group if u == self.size else self._ulysses_group
-        ring = self._ring if u == 1 else self._outer_ring
-        guard = None if u == 1 else self.guard if u == self.size else self._ulysses_guard
-        return Grid(group, ulysses_index, u, ring, ring_index, self.size // u, self.layout, self.timeout, guard)
+        ring_index, ulysses_index = divmod(self.rank, width)
+        group = None if width == 1 else self._ulysses_group
+        ring = self._ring if width == 1 else self._outer_ring
+        guard = None if width == 1 else self._ulysses_guard
+        return Grid(group, ulysses_index, width, ring, ring_index, self.size // width, self.layout, self.timeout,
+                    guard)
 
     @property
     def multiple(self) -> int:
@@ -248,8 +234,8 @@ class _Gather(torch.autograd.Function):
 
 def _validate(q, k, v, cp: ContextParallel, causal: bool, strategy: str,
               pattern_meta: list[int] | None = None) -> None:
-    check_strategy(strategy)
-    meta = _Meta.of(q, k, v, causal, strategy, _ulysses_width(cp, strategy), pattern_meta)
+    width = strategies.get(strategy).heads_split(cp.size, cp.ulysses_size)
+    meta = _Meta.of(q, k, v, causal, strategy, width, pattern_meta)
     if cp.size == 1 or not cp.check_agreement:
         metas = [meta]
     else:
@@ -271,37 +257,49 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextPara
               chunk_size: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
               documents: layouts.Packed | Sequence[int] | None = None,
               selected: torch.Tensor | None = None) -> torch.Tensor:
-    """Exact full-sequence attention computed on local shards.
+    """Exact full-sequence attention computed on local shards: this rank's shard of
+    SDPA(q, k, v, is_causal=causal, scale=scale, enable_gqa=True) under the pattern below. Differentiable (w.r.t.
+    q, k, v and sinks).
 
-    q (batch, q_heads, local_len, head_dim); k, v (batch, kv_heads, local_len, head_dim), each this
-    rank's shard (cp.shard) of the full tensors. Returns this rank's shard of
-    SDPA(q, k, v, is_causal=causal, scale=scale, enable_gqa=True) under the pattern below. Differentiable
-    (w.r.t. q, k, v and sinks). strategy: "ring" (K/V rotate, O(local) memory), "allgather" (K/V gathered),
-    "ulysses" (heads all-to-all: every rank attends over the full sequence for its share of the heads; needs
-    q_heads >= cp.size) or "usp" (Ulysses inside groups of cp.ulysses_size consecutive ranks, ring across them;
-    see longdoc.parallel.ulysses for the trade-offs).
-    Patterns, in GLOBAL positions (query i, key j of the full sequence):
-      window: int >= 1, query i sees key j when i - window < j <= i (Hugging Face's sliding window;
-          needs causal=True). Windows longer than the sequence are plain causal attention.
-      chunk_size: int >= 1, Llama 4 chunked attention: i // chunk_size == j // chunk_size (and j <= i if causal);
-          with documents, counted from each document's start (each document as if run on its own).
-      softcap: float > 0, scores s become softcap * tanh(s / softcap) before masking (Gemma 2).
-      sinks: tensor (q_heads,), a learned logit per head in every row's softmax denominator (GPT-OSS);
-          any float dtype; gets a gradient, this rank's share: summed over the CP group (as the gradient
-          all-reduce does for every parameter) it is the full gradient.
-      documents: a packed row, `cp.pack(doc_lens)` (or the list of document lengths, in order, summing
-          to the full length, padding included), shared by every row of the batch: tokens attend only
-          within their document. Shard such rows with `cp.shard(x, dim, documents=...)`: with the
-          zigzag layout each document is zigzagged over the ranks (layout.Packed).
-      selected: an integer tensor (batch, local_len, n), for every LOCAL query n GLOBAL key positions (entries < 0
-          are unused slots): query i sees key j only if j is in selected[:, i] (and the rest of the pattern shows
-          it). Sparse indexed attention (DeepSeek DSA) passes its indexer's top-k here; no gradient flows to it.
-          Tiles of a block that no query selected a key of are skipped (longdoc/parallel/selection.py).
-    Patterns combine (e.g. window + documents + sinks). Blocks a pattern hides are never computed.
+    Args:
+        q: `[B, H, T_local, D]`, this rank's shard (cp.shard along dim 2) of the full queries.
+        k: `[B, H_kv, T_local, D]`, its shard of the keys (H a multiple of H_kv); v the same shape.
+        cp: the ContextParallel group and layout the shards were made with.
+        causal: query i sees key j <= i only.
+        scale: the softmax scale (None: 1 / sqrt(D)).
+        strategy: a registered strategy (longdoc.parallel.strategy.names()): "ring" (K/V rotate, O(local)
+            memory), "allgather" (K/V gathered), "ulysses" (heads all-to-all: every rank attends over the full
+            sequence for its share of the heads; needs H >= cp.size) or "usp" (Ulysses inside groups of
+            cp.ulysses_size consecutive ranks, ring across them; see longdoc.parallel.ulysses for the trade-offs).
+        window: int >= 1, query i sees key j when i - window < j <= i (Hugging Face's sliding window; needs
+            causal=True). Windows longer than the sequence are plain causal attention.
+        chunk_size: int >= 1, Llama 4 chunked attention: i // chunk_size == j // chunk_size (and j <= i if causal);
+            with documents, counted from each document's start (each document as if run on its own).
+        softcap: float > 0, scores s become softcap * tanh(s / softcap) before masking (Gemma 2).
+        sinks: `[H]`, a learned logit per head in every row's softmax denominator (GPT-OSS); any float dtype; gets
+            a gradient, this rank's share: summed over the CP group (as the gradient all-reduce does for every
+            parameter) it is the full gradient.
+        documents: a packed row, `cp.pack(doc_lens)` (or the list of document lengths, in order, summing to the
+            full length, padding included), shared by every row of the batch: tokens attend only within their
+            document. Shard such rows with `cp.shard(x, dim, documents=...)`: with the zigzag layout each document
+            is zigzagged over the ranks (layout.Packed).
+        selected: `[B, T_local, n]` integers, for every LOCAL query n GLOBAL key positions (entries < 0 are unused
+            slots): query i sees key j only if j is in selected[:, i] (and the rest of the pattern shows it).
+            Sparse indexed attention (DeepSeek DSA) passes its indexer's top-k here; no gradient flows to it. Tiles
+            of a block that no query selected a key of are skipped (longdoc/parallel/selection.py). Strategies
+            with the heads all-to-all refuse it.
+
+    Returns:
+        `[B, H, T_local, D]`, this rank's shard of the output, in q's dtype.
+
+    Positions in the patterns are GLOBAL (query i, key j of the full sequence). Patterns combine (e.g. window +
+    documents + sinks). Blocks a pattern hides are never computed.
     """
-    if selected is not None and strategy in ("ulysses", "usp"):  # the same on every rank: before any collective
-        raise ValueError(f"longdoc.attention: selected-key (sparse indexed) attention runs with strategy 'ring' or "
-                         f"'allgather', not {strategy!r}; use one of those for DSA models")
+    chosen = strategies.get(strategy)
+    if selected is not None and not chosen.selects_keys:  # the same on every rank: before any collective
+        able = " or ".join(repr(n) for n in strategies.names() if strategies.get(n).selects_keys)
+        raise ValueError(f"longdoc.attention: selected-key (sparse indexed) attention runs with strategy {able}, "
+                         f"not {strategy!r}; use one of those for DSA models")
     pattern, pattern_meta = patterns_meta.build(q, window, chunk_size, softcap, sinks, documents, selected)
     _validate(q, k, v, cp, causal, strategy, pattern_meta)
     pattern = dataclasses.replace(pattern, causal=bool(causal)).normalized(q.shape[2] * cp.size)
@@ -311,11 +309,4 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextPara
     band_kernel = kernels.select(q.device, q.dtype, cp.kernel, band=True, softcap=capped)
     extra = {"pattern": pattern, "sinks": sinks, "band_kernel": band_kernel,
              "selected": selected.detach() if selected is not None else None}
-    if strategy == "ring":
-        return ring_attention(q, k, v, cp._ring, cp.layout, pattern.causal, scale, kernel, **extra)
-    if strategy in ("ulysses", "usp"):
-        extra.pop("selected")  # None here: _validate refuses selected keys with these strategies
-        return ulysses_attention(q, k, v, cp._grid(strategy), pattern.causal, scale, kernel, **extra)
-    group = cp.group if cp.size > 1 else None
-    return allgather_attention(q, k, v, group, cp.timeout, cp.layout, pattern.causal, scale, kernel, guard=cp.guard,
-                               **extra)
+    return chosen.attend(q, k, v, cp, pattern.causal, scale, kernel, **extra)

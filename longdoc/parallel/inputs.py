@@ -1,17 +1,15 @@
-"""One rank's attention inputs as every rank checks them: the strategies, the packed metadata that
+"""One rank's attention inputs as every rank checks them: the packed metadata that
 `longdoc.attention` agrees on across the CP group before any data moves, and what is wrong with it."""
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple, get_args
+from typing import NamedTuple
 
 import torch
 
 from longdoc.parallel import layout as layouts
 from longdoc.parallel import patterns_meta
-
-Strategy = Literal["ring", "allgather", "ulysses", "usp"]
-STRATEGIES: tuple[str, ...] = get_args(Strategy)
+from longdoc.parallel import strategy as registry
 
 _DTYPE_IDS = {dt: i for i, dt in enumerate((torch.float16, torch.bfloat16, torch.float32, torch.float64))}
 
@@ -42,7 +40,7 @@ class _Meta(NamedTuple):
     def of(cls, q, k, v, causal: bool, strategy: str, ulysses: int = 1,
            pattern_meta: list[int] | None = None) -> _Meta:
         return cls(_Dims.of(q), _Dims.of(k), _Dims.of(v), tuple(_DTYPE_IDS.get(t.dtype, -1) for t in (q, k, v)),
-                   int(q.device == k.device == v.device), int(causal), STRATEGIES.index(strategy), ulysses,
+                   int(q.device == k.device == v.device), int(causal), registry.names().index(strategy), ulysses,
                    tuple(pattern_meta or ()))
 
     def pack(self) -> list[int]:
@@ -58,7 +56,7 @@ class _Meta(NamedTuple):
 def _describe(meta: _Meta) -> str:
     names = {i: str(dt).removeprefix("torch.") for dt, i in _DTYPE_IDS.items()}
     dt = [names.get(i, "unsupported") for i in meta.dtypes]
-    strategy = STRATEGIES[meta.strategy] + (f" over {meta.ulysses} Ulysses ranks" if meta.ulysses > 1 else "")
+    strategy = registry.names()[meta.strategy] + (f" over {meta.ulysses} Ulysses ranks" if meta.ulysses > 1 else "")
     text = (f"q {meta.q.shape} {dt[0]}, k {meta.k.shape} {dt[1]}, v {meta.v.shape} {dt[2]}, "
             f"causal={bool(meta.causal)}, strategy {strategy}")
     return text + (", " + patterns_meta.describe(list(meta.pattern)) if meta.pattern else "")
@@ -89,7 +87,7 @@ def _problem(meta: _Meta, layout: str, world_size: int) -> str | None:
     if lq == 0:
         return "the local sequence is empty: the full sequence must have at least one token per chunk"
     if hq < meta.ulysses:
-        name = STRATEGIES[meta.strategy]
+        name = registry.names()[meta.strategy]
         return (f"strategy {name!r} splits the query heads over {meta.ulysses} ranks, but there are only {hq}; use "
                 f"strategy='usp' with ulysses_size <= {hq} (ContextParallel(group, ulysses_size=...)), or 'ring'")
     pattern_problem = patterns_meta.problem(list(meta.pattern), causal=bool(meta.causal), q_heads=hq,

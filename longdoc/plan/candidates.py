@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from longdoc.parallel.api import STRATEGIES
+from longdoc.parallel import strategy as registry
 from longdoc.parallel.ulysses import split_heads
 from longdoc.plan import strategies
 from longdoc.plan.hardware import GIB
@@ -31,7 +31,7 @@ class Candidate:
 
     def describe(self) -> str:
         s = self.setup
-        kind = f"usp (Ulysses {s.ulysses_size} x ring {s.cp // s.ulysses_size})" if s.strategy == "usp" else s.strategy
+        kind = registry.get(s.strategy).describe(s.cp, s.ulysses_size)
         return (f"cp={s.cp} dp={s.dp} {kind} {s.layout}, activation checkpointing "
                 f"{'on' if s.checkpointing else 'off'}, "
                 + (f"chunked loss ({s.loss_chunk} tokens)" if s.loss_chunk else "full logits (no chunked loss)")
@@ -44,7 +44,7 @@ class Candidate:
         """The recipe overrides that train this configuration (`longdoc train RECIPE key=value ...`)."""
         s = self.setup
         keys = [f"parallelism.cp_size={s.cp}", f"parallelism.strategy={s.strategy}"]
-        if s.strategy == "usp":
+        if s.ulysses_size is not None:  # a factored strategy (usp)
             keys.append(f"parallelism.ulysses_size={s.ulysses_size}")
         keys += [f"parallelism.fsdp={str(s.uses_fsdp).lower()}",
                  f"parallelism.offload_checkpoints={str(s.offload).lower()}",
@@ -90,7 +90,7 @@ def _rank_key(c: Candidate) -> tuple:
     s = c.setup
     cpu_fsdp = s.uses_fsdp and not s.dev.is_gpu
     return (s.cp, s.checkpointing, s.offload, s.tiled_mlp, cpu_fsdp, round(c.time.total, 6),
-            STRATEGIES.index(s.strategy), -(s.ulysses_size or 0))
+            registry.names().index(s.strategy), -(s.ulysses_size or 0))
 
 
 def _pool(candidates: list[Candidate]) -> list[Candidate]:
@@ -113,7 +113,7 @@ def choose(candidates: list[Candidate]) -> Candidate | None:
 
 
 def strategy_label(s: Setup) -> str:
-    return f"usp {s.ulysses_size}x{s.cp // s.ulysses_size}" if s.strategy == "usp" else s.strategy
+    return registry.get(s.strategy).label(s.cp, s.ulysses_size)
 
 
 def _why_slower(c: Candidate) -> str:

@@ -18,7 +18,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from longdoc.budgets import loss_chunk_tokens
-from longdoc.parallel.api import STRATEGIES, Strategy, check_strategy
+from longdoc.parallel import strategy as registry
+from longdoc.parallel.api import check_strategy
 from longdoc.plan.candidates import (  # noqa: F401 - Candidate, choose, TIE and strategy_label re-exported
     TIE,
     Candidate,
@@ -52,7 +53,7 @@ class PlanRequest:
     checkpointing: bool | None = None  # None: consider both
     cp: int | None = None
     dp: int | None = None
-    strategy: Strategy | None = None
+    strategy: str | None = None
     ulysses_size: int | None = None  # pin usp's Ulysses group size (None: every divisor 1 < U < cp)
     chunked_loss: bool = True
     loss_chunk: int | None = None  # None: sized from the vocabulary, as training does (longdoc.budgets)
@@ -67,7 +68,7 @@ class PlanRequest:
     offload: bool | None = None
     tiled_mlp: bool | None = None
     mlp_tile: int | None = None  # tokens per tiled-MLP tile (None: the hidden size, parallelism.mlp_tile_tokens' default)
-    fsdp: bool | None = None  # None: FSDP2 for full fine-tuning on GPUs; on CPU both are considered (parallelism.fsdp)
+    fsdp: bool | None = None  # parallelism.fsdp; None: FSDP2 for full fine-tuning on GPUs, on CPU both are considered
     layers: int | None = None  # plan the model at this depth (the benchmarks' reduced-depth runs)
 
     def __post_init__(self):
@@ -83,7 +84,7 @@ class PlanRequest:
             raise ValueError("--seq-len must be at least 2 tokens and --gpus at least 1")
         if self.strategy is not None:
             check_strategy(self.strategy)  # the planner models every strategy
-        if self.ulysses_size is not None and self.strategy != "usp":
+        if self.ulysses_size is not None and (self.strategy is None or not registry.get(self.strategy).factored):
             raise ValueError(f"--ulysses-size goes with --strategy usp (Ulysses inside groups of U ranks, the ring "
                              f"across them); got --strategy {self.strategy}")
         if self.ulysses_size is not None and (self.ulysses_size < 1 or (self.cp and self.cp % self.ulysses_size)):
@@ -163,12 +164,8 @@ def _layouts(req: PlanRequest, shape: ModelShape, cp: int) -> list[tuple[str, in
     if cp == 1 and not req.strategy:
         return [("ring", None)]
     out: list[tuple[str, int | None]] = []
-    for st in [req.strategy] if req.strategy else list(STRATEGIES):
-        if st == "usp":
-            us = [req.ulysses_size] if req.ulysses_size else [u for u in divisors(cp) if 1 < u < cp]
-            out += [("usp", u) for u in us if u <= shape.heads and cp % u == 0]
-        elif st != "ulysses" or cp <= shape.heads:
-            out.append((st, None))
+    for st in [req.strategy] if req.strategy else registry.names():
+        out += [(st, u) for u in registry.get(st).factorings(cp, shape.heads, req.ulysses_size)]
     if req.strategy and not out:
         raise ValueError(f"--strategy {req.strategy} is open at no cp here: Ulysses needs as many query heads as its "
                          f"ranks ({shape.heads} heads), and usp a factor 1 < U < cp; pin --cp or --ulysses-size")

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from longdoc.parallel.api import Strategy, check_strategy
+from longdoc.parallel import strategy as registry
+from longdoc.parallel.api import check_strategy
 from longdoc.parallel.layout import Layout, check_layout, num_chunks, round_up
 from longdoc.plan import strategies
 from longdoc.plan.activations import LORA_TARGETS
@@ -25,7 +26,7 @@ class Setup:
     cp: int = 1
     dp: int = 1
     micro_batch: int = 1
-    strategy: Strategy = "ring"
+    strategy: str = "ring"
     ulysses_size: int | None = None  # usp only: ranks per Ulysses group (a divisor of cp); cp = ring x Ulysses
     layout: Layout = "zigzag"
     checkpointing: bool = True
@@ -45,8 +46,8 @@ class Setup:
     #                          a single process in DDP (its gradient buckets included), so CPU runs pass True.
     steps: int | None = None  # optimizer steps of the run (None: a long run). DDP rebuilds its gradient buckets in
     #                           the 2nd step, so they are resident at the peak from the 3rd step on only
-    offload: bool = False  # parallelism.offload_checkpoints: layer checkpoints in (pinned) host memory, fetched one layer
-    #                        ahead of the recompute (GPUs; on a CPU the host is the device and nothing moves)
+    offload: bool = False  # parallelism.offload_checkpoints: layer checkpoints in (pinned) host memory, fetched one
+    #                        layer ahead of the recompute (GPUs; on a CPU the host is the device and nothing moves)
     tiled_mlp: bool = False  # parallelism.tiled_mlp: the MLP over token tiles with recompute (longdoc.hf.tiled_mlp)
     mlp_tile: int | None = None  # tokens per MLP tile (None: the hidden size, parallelism.mlp_tile_tokens' default)
 
@@ -57,9 +58,10 @@ class Setup:
         check_layout(self.layout)
         if min(self.seq_len, self.cp, self.dp, self.micro_batch) < 1:
             raise ValueError("seq_len, cp, dp and micro_batch must be positive")
-        if (self.strategy == "usp") != (self.ulysses_size is not None):
-            raise ValueError(f"ulysses_size goes with strategy 'usp' (and only with it); got {self.ulysses_size!r} "
-                             f"with {self.strategy!r}")
+        if registry.get(self.strategy).factored != (self.ulysses_size is not None):
+            factored = " or ".join(repr(n) for n in registry.names() if registry.get(n).factored)
+            raise ValueError(f"ulysses_size goes with strategy {factored} (and only with it); got "
+                             f"{self.ulysses_size!r} with {self.strategy!r}")
         strategies.check_heads(self.strategy, self.cp, self.ulysses_size, self.shape.heads)
         if self.loss_chunk is not None and self.loss_chunk < 1:
             raise ValueError("loss_chunk must be positive (or None for no chunking)")

@@ -13,13 +13,10 @@ Time of compute = FLOPs / (peak * efficiency), with the efficiencies of `hardwar
 also x b / (b + knee) for query blocks of b tokens (`hardware.Device.attention_knee_tokens`, strategies.py).
 
 Communication (bandwidth b of the group's link, see hardware.link_gbps, x link efficiency):
-  ring, per layer and pass: cp steps; step s computes 1/cp of the layer's attention while K/V
-    (m_kv = 2*N*kv*c bytes) travel to the next rank, so a step takes max(compute, m_kv / b). The
-    backward also sends the fp32 dK/dV accumulators (m_dkv = 2*N*kv*4) one step behind; the last one is
-    exposed. Under checkpointing the recomputed forward runs the ring again.
-  all-gather: no overlap: forward (cp-1)*m_kv / b, backward the same again + (cp-1)*m_dkv / b.
-  ulysses / usp: the all-to-alls are not overlapped; usp's outer ring overlaps like the ring. Bytes, links
-    and the head-balance factor: longdoc/plan/strategies.py.
+  CP attention, per layer and pass: each strategy's own `layer_cost` (longdoc/parallel/strategies/, one module
+    each, looked up through longdoc/plan/strategies.py): the ring overlaps its K/V steps with the compute,
+    all-gather and the Ulysses all-to-alls do not, usp's outer ring overlaps like the ring. Under checkpointing
+    the recomputed forward runs it again.
   FSDP2, per layer: all-gather P_l*c*(S-1)/S (forward, and again in the backward), reduce-scatter of
     fp32 gradients P_l*4*(S-1)/S, prefetched: a layer takes max(its compute, its collectives).
   DDP (no FSDP): all-reduce 2*P_t*4*(W-1)/W, overlapped with the backward.

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import yaml
 
-from longdoc.parallel.api import STRATEGIES, Strategy
+from longdoc.parallel import strategy as registry
 from longdoc.parallel.layout import LAYOUTS, Layout
 from longdoc.train.data_config import DataConfig, MixSource  # noqa: F401 - MixSource re-exported
 from longdoc.train.moved_keys import check_moved
@@ -161,7 +161,7 @@ class ParallelismConfig:
     """How one sequence is split over the ranks and what each rank keeps of the model: world = dp x cp_size."""
 
     cp_size: int = 1  # context-parallel group size; world = dp x cp
-    strategy: Strategy = "ring"
+    strategy: str = "ring"  # a registered CP strategy (longdoc.parallel.strategy.names())
     # strategy usp only: ranks per Ulysses group (a divisor of cp_size); cp = ring_size x ulysses_size
     ulysses_size: int | None = None
     layout: Layout = "zigzag"
@@ -178,10 +178,10 @@ class ParallelismConfig:
         _check(self.cp_size >= 1, "parallelism.cp_size", f"must be >= 1, got {self.cp_size}")
         # repeated from the Literal types for a config built in code rather than from a recipe
         _check(self.layout in LAYOUTS, "parallelism.layout", f"must be one of {LAYOUTS}, got {self.layout!r}")
-        _check(self.strategy in STRATEGIES, "parallelism.strategy",
-               f"must be one of {STRATEGIES}, got {self.strategy!r}")
+        _check(self.strategy in registry.names(), "parallelism.strategy",
+               f"must be one of {registry.names()}, got {self.strategy!r}")
         divisors = [d for d in range(1, self.cp_size + 1) if self.cp_size % d == 0]
-        _check((self.strategy == "usp") == (self.ulysses_size is not None), "parallelism.ulysses_size",
+        _check(registry.get(self.strategy).factored == (self.ulysses_size is not None), "parallelism.ulysses_size",
                f"goes with parallelism.strategy=usp, which factors cp_size={self.cp_size} as ring x Ulysses: set "
                f"both (ulysses_size one of {divisors}) or neither; got {self.ulysses_size} with {self.strategy!r}")
         _check(self.ulysses_size is None or self.ulysses_size in divisors, "parallelism.ulysses_size",
