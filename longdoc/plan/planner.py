@@ -67,7 +67,7 @@ class PlanRequest:
     # a run needs them to fit (near ties go to the configuration without: they cost copies and recompute)
     offload: bool | None = None
     tiled_mlp: bool | None = None
-    mlp_tile: int | None = None  # tokens per tiled-MLP tile (None: the hidden size, parallelism.mlp_tile_tokens' default)
+    mlp_tile: int | None = None  # tokens per tiled-MLP tile (None: the hidden size, as parallelism.mlp_tile_tokens)
     fsdp: bool | None = None  # parallelism.fsdp; None: FSDP2 for full fine-tuning on GPUs, on CPU both are considered
     layers: int | None = None  # plan the model at this depth (the benchmarks' reduced-depth runs)
 
