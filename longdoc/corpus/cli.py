@@ -93,13 +93,23 @@ def _add_prepare(verbs: argparse._SubParsersAction) -> None:
 
 
 def _add_plant(verbs: argparse._SubParsersAction) -> None:
-    t = verbs.add_parser("plant", help="plant artificial retrieval facts and their questions in QA documents",
+    t = verbs.add_parser("plant", help="plant artificial retrieval facts and their questions in documents",
                          description="Each document of a QA jsonl (`longdoc data synth` records) gets --facts key-value"
                                      " sentences at random sentence boundaries and one question per fact (kind "
                                      "retrieval), in a vocabulary of its own (longdoc.corpus.plant): training on them "
-                                     "keeps the skill of finding a fact anywhere in a long context.")
-    t.add_argument("input", help="QA records (.jsonl)")
+                                     "keeps the skill of finding a fact anywhere in a long context. With --windows, "
+                                     "the inputs are plain documents instead (your own unlabelled text: any file or "
+                                     "folder `data prepare` reads), cut into windows that get only the planted "
+                                     "facts' questions: retrieval rows in real text of your kind.")
+    t.add_argument("input", nargs="+", help="QA records (.jsonl); with --windows, documents or folders of them")
     t.add_argument("--facts", type=int, default=4, help="facts per document (default: %(default)s)")
+    t.add_argument("--windows", type=cliargs.length, default=None, metavar="TOKENS",
+                   help="read plain documents and cut each into windows of about TOKENS tokens (e.g. 3k for rows "
+                        "of 4k, leaving room for the questions)")
+    t.add_argument("--per-document", type=int, default=1, help="with --windows: windows taken from the start of "
+                   "each document (default: %(default)s; more documents beat more windows of one)")
+    t.add_argument("--tokenizer", default=None, help="with --windows: model name or path whose tokens count "
+                   "(default: SmolLM2-135M-Instruct)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", required=True, help="output .jsonl file")
     t.set_defaults(func=_plant)
@@ -142,25 +152,53 @@ def _synth(args: argparse.Namespace) -> int:
 
 
 def _plant(args: argparse.Namespace) -> int:
-    import json
-
-    from longdoc.corpus.plant import plant
+    from longdoc.corpus import plant
     from longdoc.corpus.synth import write_jsonl
 
     try:
         if args.facts < 1:
             raise ValueError(f"--facts must be >= 1, got {args.facts}")
-        with open(args.input, encoding="utf-8") as f:
-            records = [json.loads(line) for line in f if line.strip()]
-        if not records or not all(isinstance(r, dict) and "document" in r for r in records):
-            raise ValueError(f"{args.input} holds no QA records with a document (make them with `longdoc data synth`)")
-        planted = [plant(r, args.facts, args.seed) for r in records]
+        records = _plant_inputs(args)
+        planted = [plant.plant(r, args.facts, args.seed) for r in records]
     except (OSError, ValueError) as e:
         print(f"longdoc data plant: {e}", file=sys.stderr)
         return 2
     write_jsonl(planted, args.out)
     print(f"wrote {len(planted)} documents to {args.out}, {args.facts} retrieval facts and questions planted in each")
     return 0
+
+
+def _plant_inputs(args: argparse.Namespace) -> list[dict]:
+    """QA records as they are, or (--windows) windows of plain documents with no questions of their own."""
+    import json
+
+    from longdoc.corpus import plant
+
+    if args.windows is None:
+        records = []
+        for path in args.input:
+            with open(path, encoding="utf-8") as f:
+                try:
+                    records += [json.loads(line) for line in f if line.strip()]
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path} is not QA records (JSON lines: {e}); for plain documents pass "
+                                     f"--windows TOKENS") from None
+        if not records or not all(isinstance(r, dict) and "document" in r for r in records):
+            raise ValueError(f"{' '.join(args.input)} holds no QA records with a document (make them with `longdoc "
+                             f"data synth`, or pass --windows TOKENS for plain documents)")
+        return records
+    from pathlib import Path
+
+    from longdoc import models
+    from longdoc.corpus.ingest import read_documents
+
+    texts = [(Path(d["doc_id"]).stem, d["text"]) for d in read_documents(args.input, task="pretrain")]
+    records = plant.windows(texts, args.windows, args.per_document, models.load_tokenizer(args.tokenizer
+                                                                                        or models.DEFAULT_MODEL))
+    if not records:
+        raise ValueError(f"no document of {' '.join(args.input)} holds a window of {args.windows} tokens; pass "
+                         f"longer documents or a smaller --windows")
+    return records
 
 
 def _rehearse(args: argparse.Namespace) -> int:

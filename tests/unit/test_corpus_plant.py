@@ -39,7 +39,7 @@ def test_facts_are_planted_with_their_questions_and_evidence_moves():
 
 
 def test_no_evaluation_template_is_reused():
-    own = " ".join(plant._ENTITIES + plant._ATTRIBUTES) + plant._FACT + plant._QUESTION
+    own = " ".join(plant._ENTITIES + plant._ATTRIBUTES + plant._FACTS + plant._QUESTIONS + plant._WORDS)
     for fact, question in [p for pairs in needle.NEEDLES.values() for p in pairs]:
         for word in set(re.findall(r"[a-z']{5,}", (fact + " " + question).lower())) - {"value", "what", "number"}:
             assert word not in own.lower(), word  # combination, evidence, permit, cabinet, ... (not "number")
@@ -73,3 +73,44 @@ def test_no_fact_lands_inside_a_multi_sentence_evidence():
         for q in out["qa"]:
             for e in q["evidence"]:
                 assert out["document"][e["start"]:e["end"]] == e["text"], (seed, q["id"])
+
+
+class _Words:
+    """A tokenizer stand-in: one token per word."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": text.split()}
+
+
+def test_windows_cut_plain_documents_at_line_ends():
+    text = "".join(f"line {i} has five words\n" for i in range(210))  # 5 tokens a line
+    records = plant.windows([("doc", text), ("short", "too short\n")], 100, 3, _Words())
+    assert [r["id"] for r in records] == ["doc-w00", "doc-w01", "doc-w02"], "the short text holds no window"
+    assert records[0]["document"].startswith("line 0 ") and records[1]["document"].startswith("line 20 ")
+    assert all(len(r["document"].split()) == 100 and r["qa"] == [] for r in records)
+    out = plant.plant(records[0], 4, seed=0)
+    assert [q["kind"] for q in out["qa"]] == ["retrieval"] * 4
+    assert plant.windows([("doc", text)], 100, 30, _Words())[-1]["id"] == "doc-w09", "a partial last window is dropped"
+    with pytest.raises(ValueError, match="64 tokens"):
+        plant.windows([("doc", text)], 10, 1, _Words())
+
+
+def test_cli_plants_in_windows_of_plain_text(tmp_path, capsys):
+    from longdoc.cli import main
+
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for name in ("alpha", "beta"):
+        (folder / f"{name}.txt").write_text("".join(f"The {name} manual, section {i}. It explains one thing.\n"
+                                                   for i in range(400)))
+    out = tmp_path / "rows.jsonl"
+    assert main(["data", "plant", str(folder), "--windows", "512", "--facts", "3", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["alpha-w00", "beta-w00"]
+    assert all(len(r["qa"]) == 3 and r["document"].startswith(f"The {r['title']} manual") for r in rows)
+    capsys.readouterr()
+    assert main(["data", "plant", str(folder), "--windows", "100k", "--out", str(tmp_path / "x.jsonl")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "smaller --windows" in err[0]
+    assert main(["data", "plant", str(folder / "alpha.txt"), "--out", str(tmp_path / "x.jsonl")]) == 2
+    assert "--windows TOKENS" in capsys.readouterr().err
