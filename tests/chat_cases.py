@@ -1,5 +1,5 @@
 """Rank function of the chat training test (tests/dist/test_train_chat.py): `longdoc train` recipes on chat
-data, then CPTrainer on prepared chat rows, in one spawn (longdoc.spawn pickles it by module and name)."""
+data, then CPTrainer on prepared chat rows, in one spawn (longdoc.runtime.spawn pickles it by module and name)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Test-side name for the local gloo launcher (see longdoc.spawn)."""
+"""Test-side name for the local gloo launcher (see longdoc.runtime.spawn)."""
 
-from longdoc.spawn import run_local as run_ranks
+from longdoc.runtime.spawn import run_local as run_ranks
 
 __all__ = ["run_ranks"]

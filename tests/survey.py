@@ -472,7 +472,7 @@ def survey(types: list[str] | None = None, cp: int = 2, deadline: float = 7200) 
     """{model_type: (status, detail)} for the given types (default: every causal-LM type)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from longdoc.spawn import run_local
+    from longdoc.runtime.spawn import run_local
 
     types = sorted(types or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     return run_local(cp, _rank, types, deadline=deadline, pg_timeout=120)[0]

@@ -1,13 +1,13 @@
 """Shared pieces of the distributed training tests: a tiny recipe, the launcher variables Accelerate reads,
 run_ranks with a generous timeout, and rank functions more than one test module runs.
 
-Rank functions live in a plain module (not a test module, not a fixture) because longdoc.spawn pickles
+Rank functions live in a plain module (not a test module, not a fixture) because longdoc.runtime.spawn pickles
 them by module and name into fresh processes.
 """
 
 from __future__ import annotations
 
-from longdoc.launch import set_launcher_env
+from longdoc.runtime.launch import set_launcher_env
 from tests.distributed import run_ranks
 
 

@@ -41,7 +41,7 @@ from longdoc.plan.layer_kinds import (  # noqa: F401 - ATTENTION_LAYER_TYPES, th
     mlp_kinds,
     moe_shape,
 )
-from longdoc.resources import resource_dir
+from longdoc.runtime.resources import resource_dir
 
 CONFIG_DIR = resource_dir("configs")  # data/configs in a checkout, a bundled copy in a wheel
 

@@ -1,4 +1,4 @@
-"""A rank started by longdoc.spawn sees its place in the world through longdoc.launch, and a rank that
+"""A rank started by longdoc.runtime.spawn sees its place in the world through longdoc.runtime.launch, and a rank that
 additionally gets the launcher's variables (for Accelerate) sees the same world."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from tests.distributed import run_ranks
 
 
 def _where_am_i(rank: int, world_size: int):
-    from longdoc.launch import launched_world, set_launcher_env
+    from longdoc.runtime.launch import launched_world, set_launcher_env
 
     joined = launched_world()
     set_launcher_env(rank, world_size)

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 import longdoc
-from longdoc.resources import CHECKOUT_PATHS
+from longdoc.runtime.resources import CHECKOUT_PATHS
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCH_SPEC = os.environ.get("LONGDOC_TEST_TORCH_SPEC", "torch==2.13.0")  # the Makefile's pin (CPU wheel here)
@@ -36,7 +36,7 @@ SMOKE = """
 import longdoc, longdoc.hf, longdoc.parallel.api
 from longdoc import ContextParallel, attention, patch
 from longdoc.hf import CPTrainer, CPTrainerMixin, KVSession, UnsupportedFeatureError, generate, shard_batch
-from longdoc.resources import resource_dir
+from longdoc.runtime.resources import resource_dir
 from longdoc.corpus.synth.text import load_data
 from longdoc.plan.shapes import model_shape
 assert patch is longdoc.hf.patch

@@ -1,4 +1,4 @@
-"""longdoc.launch: the world read from the launcher's variables or a joined group, and a process group that
+"""longdoc.runtime.launch: the world read from the launcher's variables or a joined group, and a process group that
 is left only by the call that joined it."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import pytest
 import torch.distributed as dist
 
-from longdoc.launch import Launch, launched_world, process_group, set_launcher_env
+from longdoc.runtime.launch import Launch, launched_world, process_group, set_launcher_env
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

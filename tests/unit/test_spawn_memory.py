@@ -1,4 +1,4 @@
-"""longdoc's own launcher (longdoc.spawn: eval, verify, bench ranks) runs its ranks with glibc returning freed
+"""longdoc's own launcher (longdoc.runtime.spawn: eval, verify, bench ranks) runs its ranks with glibc returning freed
 memory at once, as `longdoc train` does: a rank's resident size follows its live tensors (issue 28 item 5)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def _rss_after_free(rank: int, world_size: int) -> tuple[int, int]:
 
 
 def test_spawned_ranks_give_freed_memory_back():
-    from longdoc.spawn import run_local
+    from longdoc.runtime.spawn import run_local
 
     for held, kept in run_local(2, _rss_after_free):
         assert held >= 200 and kept <= 32, (held, kept)

@@ -17,6 +17,8 @@ REGISTRY_NAMES = {"AttentionInterface", "AttentionMaskInterface", "_global_mappi
 
 # layer -> the longdoc packages it must never import (docs/design.md: each layer depends only on those above it)
 FORBIDDEN = {
+    "longdoc.runtime": ("longdoc.parallel", "longdoc.hf", "longdoc.models", "longdoc.corpus", "longdoc.train",
+                        "longdoc.eval", "longdoc.lmeval", "longdoc.plan", "longdoc.bench"),
     "longdoc.hf": ("longdoc.train", "longdoc.eval", "longdoc.bench", "longdoc.corpus", "longdoc.plan"),
     "longdoc.corpus": ("longdoc.train", "longdoc.eval", "longdoc.bench"),
 }
@@ -171,12 +173,15 @@ def _describe(cycle: list[str]) -> str:
 
 def test_resolver_sees_the_package_and_its_imports():
     g = graph()
-    assert {"longdoc", "longdoc.parallel", "longdoc.parallel.layout", "longdoc.spawn"} <= set(g)
+    assert {"longdoc", "longdoc.parallel", "longdoc.parallel.layout", "longdoc.runtime",
+            "longdoc.runtime.spawn"} <= set(g)
     assert len(g) > 40
     # `from longdoc.parallel import layout as layouts` (top level) names the submodule, not the package
     assert "longdoc.parallel.layout" in g["longdoc.parallel.api"]
     # `from longdoc.parallel.api import ContextParallel` inside start() counts (an import in a function)
     assert "longdoc.parallel.api" in g["longdoc.train.world"]
+    # `from longdoc.runtime.launch import launched_world` runs longdoc/runtime/__init__.py first
+    assert {"longdoc.runtime", "longdoc.runtime.launch"} <= set(g["longdoc.train.world"])
 
 
 def test_resolver_adds_the_parent_packages_python_runs_first():

@@ -2,7 +2,7 @@
 
 The one place that reads the launcher's variables (torchrun and `accelerate launch` set RANK, WORLD_SIZE,
 LOCAL_RANK) and calls `init_process_group`; training (through Accelerate), evaluation, `longdoc verify` and
-the local spawner (longdoc.spawn) all start here, so "am I one rank of several?" has one answer.
+the local spawner (longdoc.runtime.spawn) all start here, so "am I one rank of several?" has one answer.
 
     world = launched_world()               # Launch(world_size=2, rank=1, local_rank=1, joined=False)
     with process_group(timeout=600) as w:  # joins (nccl on CUDA, else gloo) unless already joined
@@ -28,7 +28,7 @@ class Launch:
     world_size: int
     rank: int
     local_rank: int  # the device index on this node
-    joined: bool  # a default process group exists already (joined by us, Accelerate or longdoc.spawn)
+    joined: bool  # a default process group exists already (joined by us, Accelerate or longdoc.runtime.spawn)
     node: int | None = None  # the launcher's node rank (torchrun's GROUP_RANK: --node-rank / --machine_rank)
     nodes: int = 1  # nodes in the launch (torchrun's GROUP_WORLD_SIZE: --nnodes / --num_machines)
 
@@ -95,7 +95,7 @@ def process_group(backend: str | None = None, *, timeout: float, init_method: st
 
 
 def set_launcher_env(rank: int, world_size: int, **extra: str) -> None:
-    """Make a rank started by longdoc.spawn look like one started by torchrun, for libraries that read the
+    """Make a rank started by longdoc.runtime.spawn look like one started by torchrun, for libraries that read the
     launcher's variables (Accelerate). `extra` sets further variables (e.g. HF_HUB_OFFLINE="1")."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", **extra)

@@ -20,7 +20,7 @@ from typing import Literal
 Resource = Literal["synth", "configs", "recipes"]
 # resource -> its folder in a source checkout (relative to the repository root)
 CHECKOUT_PATHS: dict[str, str] = {"synth": "data/synth", "configs": "data/configs", "recipes": "recipes"}
-_REPO = Path(__file__).resolve().parents[1]
+_REPO = Path(__file__).resolve().parents[2]
 
 
 def resource_dir(name: Resource) -> Path:

@@ -55,8 +55,8 @@ def _no_progress_bars() -> None:
 def _entry(rank, world_size, init_file, pg_timeout, threads, fn, args, results, input_errors=()):
     import torch
 
-    from longdoc.budgets import return_freed_memory
-    from longdoc.launch import process_group
+    from longdoc.runtime.budgets import return_freed_memory
+    from longdoc.runtime.launch import process_group
 
     return_freed_memory()  # resident memory follows the live tensors, as in `longdoc train` (glibc keeps freed heap)
     torch.set_num_threads(threads)
