@@ -25,8 +25,9 @@ import sys
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from longdoc import cliargs, zoo
+from longdoc import cliargs
 from longdoc.errors import EXIT_CODES
+from longdoc.models import zoo
 from longdoc.parallel import strategy as registry
 from longdoc.parallel.layout import LAYOUTS
 

@@ -60,7 +60,7 @@ def test_models_page_lists_every_tested_family():
 
     docgen = _docgen()
     page = docgen.models()
-    from longdoc import zoo
+    from longdoc.models import zoo
 
     for name in [*zoo.PLAIN, *zoo.PATTERNED]:
         assert f"`{name}`" in page or f"`tiny:{name}`" in page, name

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import longdoc
+import longdoc.hf
 from longdoc import models
 from longdoc.train.config import RecipeError, recipe_from_dict
 from longdoc.train.world import check_launch
