@@ -1,10 +1,10 @@
 """The lock of tested versions (constraints.txt): write it from the installed distributions, check it against them.
 
-    python -m longdoc.lockfile constraints.txt          # write: every installed distribution but torch and longdoc
-    python -m longdoc.lockfile --check constraints.txt  # exit 1 with the differences when the install drifted
+    python tools/lockfile.py constraints.txt          # write: every installed distribution but torch and longdoc
+    python tools/lockfile.py --check constraints.txt  # exit 1 with the differences when the install drifted
 
 `make install` installs with `pip install -c constraints.txt`; `make test-latest` runs the suite on the newest
-releases in .venv-latest and `make lock` (this module, run there) records them. torch is pinned by the Makefile's
+releases in .venv-latest and `make lock` (this script, run there) records them. torch is pinned by the Makefile's
 TORCH_SPEC instead (a CPU or a CUDA build of one version), so it is never locked here.
 """
 
@@ -75,7 +75,7 @@ def _torch_version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m longdoc.lockfile", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python tools/lockfile.py", description=__doc__.splitlines()[0])
     parser.add_argument("path", help="the constraints file (constraints.txt)")
     parser.add_argument("--check", action="store_true", help="compare the install with the file instead of writing")
     args = parser.parse_args(argv)
