@@ -11,10 +11,10 @@ NAME at build time, so the site always shows what the files in the checkout say.
 (FILES) hold their blocks between `<!-- docgen:NAME:start -->` and `<!-- docgen:NAME:end -->`, written by `refresh`
 and rendered afresh in the site. Sources are found by pattern, so files that land later are picked up without
 editing this file:
-  - tests/hf_*.py with a module-level FAMILIES or HYBRIDS dict (model_type -> overrides; a trailing comment on
+  - tests/support/hf_*.py with a module-level FAMILIES or HYBRIDS dict (model_type -> overrides; a trailing comment on
     the entry's line says what the family brings), read with `ast` (nothing is imported or built);
   - longdoc/models/zoo.py PLAIN and PATTERNED (the `tiny:` names the CLI builds);
-  - docs/models/*.json written by tests/survey.py (every causal-LM type of the installed transformers);
+  - docs/models/*.json written by tests/support/survey.py (every causal-LM type of the installed transformers);
   - longdoc/**/*.py: the module docstrings, for the module map (docs/hooks/modulemap.py);
   - docs/bench/*.json: a `longdoc bench` suite result (rendered by longdoc.bench.suite.to_markdown, the same
     renderer as `longdoc bench`; `longdoc bench --publish docs/bench` writes it) or a single section result
@@ -47,11 +47,11 @@ LIST_NAMES = ("FAMILIES", "HYBRIDS")
 
 
 def _family_lists() -> list[tuple[Path, list[tuple[str, str]], list[str]]]:
-    """(file, [(model_type, what it exercises)], the distributed tests that run it) for every tests/hf_*.py with
+    """(file, [(model_type, what it exercises)], the distributed tests that run it) for every tests/support/hf_*.py with
     a family list that some distributed test imports (a list no distributed test runs proves nothing); in LISTS
     order, then by file name."""
     order = list(LISTS)
-    paths = sorted((ROOT / "tests").glob("hf_*.py"),
+    paths = sorted((ROOT / "tests" / "support").glob("hf_*.py"),
                    key=lambda p: (order.index(p.name) if p.name in order else len(order), p.name))
     out = []
     for path in paths:
@@ -64,8 +64,8 @@ def _family_lists() -> list[tuple[Path, list[tuple[str, str]], list[str]]]:
 
 
 def _tests_using(module: str) -> list[str]:
-    """The distributed tests (CP ranks vs the single-process reference) that import tests/<module>.py."""
-    return _tests_matching(rf"^from tests\.{module} import|^import tests\.{module}")
+    """The distributed tests (CP ranks vs the single-process reference) that import tests/support/<module>.py."""
+    return _tests_matching(rf"^from tests\.support\.{module} import|^import tests\.support\.{module}")
 
 
 def _tests_matching(regex: str) -> list[str]:
@@ -135,8 +135,8 @@ def models() -> str:
     total = len(plain)
     for path, rows, tests in _family_lists():
         total += len(rows)
-        parts += ["", f"### {LISTS.get(path.name, f'Families of tests/{path.name}')}", "",
-                  f"{len(rows)} families in tests/{path.name}, run by {', '.join(tests)}.", "",
+        parts += ["", f"### {LISTS.get(path.name, f'Families of tests/support/{path.name}')}", "",
+                  f"{len(rows)} families in tests/support/{path.name}, run by {', '.join(tests)}.", "",
                   "| model_type | what it exercises |", "|---|---|"]
         parts += [f"| `{k}` | {_md_escape(c) or '-'} |" for k, c in rows]
     patterned = zoo.get("PATTERNED", [])
@@ -155,7 +155,7 @@ def _survey(path: Path) -> str:
     when = f", {rec['date']}" if rec.get("date") else ""
     counts = ", ".join(f"{v} {k}" for k, v in sorted(rec.get("counts", {}).items()))
     head = [f"### Survey: every causal-LM type of the installed transformers ({path.name})", "",
-            f"Written by `python -m tests.survey` (transformers {rec.get('transformers', '?')}, "
+            f"Written by `python -m tests.support.survey` (transformers {rec.get('transformers', '?')}, "
             f"cp={rec.get('cp', '?')}{when}): {counts}.", "", "| model_type | status | detail |", "|---|---|---|"]
     return "\n".join(head + [f"| `{t}` | {r.get('status')} | {_md_escape(str(r.get('detail', ''))[:160])} |"
                              for t, r in sorted(types.items())])
@@ -350,7 +350,7 @@ def models_summary() -> str:
     zoo = _dict_entries(ROOT / "longdoc" / "models" / "zoo.py", ("PLAIN",))
     lines = [f"- plain causal LMs: {', '.join(k for k, _ in zoo.get('PLAIN', []))}"]
     for path, rows, _ in _family_lists():
-        title = LISTS.get(path.name, f"tests/{path.name}").split(":")[0]
+        title = LISTS.get(path.name, f"tests/support/{path.name}").split(":")[0]
         title = title[:1].lower() + title[1:]
         lines.append(f"- {title} ({len(rows)}): {', '.join(k for k, _ in rows)}")
     for path in sorted((ROOT / "docs" / "models").glob("*.json")):

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 import longdoc
-from tests.distributed import run_ranks
+from tests.support.distributed import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 ACCELERATE = Path(sys.executable).with_name("accelerate")

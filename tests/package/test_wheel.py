@@ -86,7 +86,7 @@ def test_build_makes_an_sdist_and_a_wheel_that_carry_the_run_time_files(built):
     with tarfile.open(built["sdist"]) as t:
         members = {m.name.split("/", 1)[1] for m in t.getmembers() if "/" in m.name}
     for needed in ("pyproject.toml", "README.md", "CHANGELOG.md", "longdoc/__init__.py", "data/synth/legal/vocab.json",
-                   "recipes/cpu-demo.yaml", "tests/hf_families.py"):
+                   "recipes/cpu-demo.yaml", "tests/support/hf_families.py"):
         assert needed in members, needed
 
 

@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_flatten
 from longdoc.hf.modelinfo import UnsupportedFeatureError
 from longdoc.hf.offload import offload_checkpoints, remove_offload
 from longdoc.hf.tiled_mlp import tile_mlps, untile_mlps
-from tests.offload_tiled_cases import batch, rel_err, tiny
+from tests.support.offload_tiled_cases import batch, rel_err, tiny
 
 
 def _loss_grads(model, full):

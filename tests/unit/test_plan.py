@@ -13,7 +13,7 @@ from longdoc.plan.memory import Setup, estimate, layer_bytes_per_token
 from longdoc.plan.planner import PlanRequest, longest_fitting, plan
 from longdoc.plan.shapes import llama_formula_params, model_shape, shape_from_config
 from longdoc.plan.timing import estimate_time
-from tests.saved_tensors import SMALL, saved_bytes_per_token
+from tests.support.saved_tensors import SMALL, saved_bytes_per_token
 
 PUBLISHED = {"Llama-3.1-8B": 8_030_261_248, "Llama-3.1-70B": 70_553_706_496, "Qwen2.5-7B": 7_615_616_512,
              "SmolLM2-135M": 134_515_008}

@@ -277,8 +277,9 @@ def test_attention_registry_is_touched_in_one_module():
 
 
 def test_no_test_module_imports_another_test_module():
-    """Shared test helpers live in plain modules (tests/distributed.py, tests/training.py, tests/fake_cp.py...):
-    importing a test module runs its collection side effects and couples unrelated tests."""
+    """Shared test helpers live in plain modules (tests/support/distributed.py, tests/support/training.py,
+    tests/support/fake_cp.py...): importing a test module runs its collection side effects and couples unrelated
+    tests."""
     tests = ROOT / "tests"
     bad = []
     for path in sorted(tests.rglob("*.py")):
@@ -287,7 +288,7 @@ def test_no_test_module_imports_another_test_module():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
             bad += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
                     if n.startswith("tests.") and n.rpartition(".")[2].startswith("test_")]
-    assert not bad, "move what these share into a helper module under tests/:\n" + "\n".join(bad)
+    assert not bad, "move what these share into a helper module under tests/support/:\n" + "\n".join(bad)
 
 
 def test_training_code_never_reads_the_suite():

@@ -13,8 +13,8 @@ import torch.distributed as dist
 import longdoc
 from longdoc.parallel import layout as layouts
 from longdoc.parallel.recurrent import SSD, Segments, Selective, halo, run, tail
-from tests import recurrent_reference as ref
-from tests.distributed import run_ranks
+from tests.support import recurrent_reference as ref
+from tests.support.distributed import run_ranks
 
 
 def _rows(docs_per_row, length):

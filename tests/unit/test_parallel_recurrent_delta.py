@@ -11,7 +11,7 @@ from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
 
 from longdoc.hf.recurrent import torch_path
 from longdoc.parallel.recurrent import delta
-from tests.recurrent_check import compose
+from tests.support.recurrent_check import compose
 
 KERNELS = {"gdn": torch_path(qwen3_next.torch_chunk_gated_delta_rule),
            "kda": torch_path(kimi.chunk_kimi_delta_attention)}

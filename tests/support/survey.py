@@ -1,7 +1,7 @@
 """A survey of every causal-LM type in the installed transformers under CP: exact, refused by name, or wrong.
 
-    python -m tests.survey                      # every type, CP=2, writes docs/models/survey.json
-    python -m tests.survey --types llama,mamba2 --cp 3 --out /tmp/s.json
+    python -m tests.support.survey              # every type, CP=2, writes docs/models/survey.json
+    python -m tests.support.survey --types llama,mamba2 --cp 3 --out /tmp/s.json
 
 Each type gets a tiny random-init config (the tests' hand-made family configs where they exist, else a generic
 shrink of transformers' default config: the text stack's sizes, every MLA dimension together, vision / audio towers
@@ -58,8 +58,10 @@ def _hand_made(model_type: str, **overrides):
     """The tests' own config for a family, where one exists (hand-checked shapes and patterns), with `overrides`."""
     import importlib
 
-    for module, getter in (("tests.hf_families", "family_config"), ("tests.hf_hybrids", "hybrid_config"),
-                           ("tests.hf_hybrids_linear", "hybrid_config"), ("tests.hf_dsa", "dsa_config")):
+    for module, getter in (("tests.support.hf_families", "family_config"),
+                           ("tests.support.hf_hybrids", "hybrid_config"),
+                           ("tests.support.hf_hybrids_linear", "hybrid_config"),
+                           ("tests.support.hf_dsa", "dsa_config")):
         try:
             mod = importlib.import_module(module)
         except ImportError:
@@ -113,7 +115,7 @@ _TYPES: dict[str, dict] = {
     "gemma3n": dict(text_config=dict(sliding_window=7, layer_types=["sliding_attention", "full_attention"],
                                      num_kv_shared_layers=0, altup_num_inputs=2, laurel_rank=8,
                                      hidden_size_per_layer_input=8, vocab_size_per_layer_input=256,
-                                     activation_sparsity_pattern=[0.0, 0.0])),  # as tests/hf_families' gemma3n_text
+                                     activation_sparsity_pattern=[0.0, 0.0])),  # as hf_families' gemma3n_text
     "gemma4_text": dict(vocab_size_per_layer_input=256, hidden_size_per_layer_input=8),  # per-layer inputs: 134M
     "gemma4": dict(text_config=dict(vocab_size_per_layer_input=256, hidden_size_per_layer_input=8)),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]], num_layers=2, window_size=7),
@@ -308,7 +310,7 @@ def _exact_kernels(model_type: str):
     import contextlib
     import importlib
 
-    for module in ("tests.hf_hybrids_linear",):
+    for module in ("tests.support.hf_hybrids_linear",):
         try:
             mod = importlib.import_module(module)
         except ImportError:

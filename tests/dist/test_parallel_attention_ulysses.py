@@ -16,7 +16,7 @@ from longdoc.bench.traffic import counted
 from longdoc.parallel.layout import Packed
 from longdoc.parallel.traffic import bytes_sent
 from longdoc.parallel.ulysses import token_map
-from tests.cp_reference import (
+from tests.support.cp_reference import (
     ALL_HEADS,
     cases,
     check_cases,
@@ -26,7 +26,7 @@ from tests.cp_reference import (
     run_case,
     run_pattern_case,
 )
-from tests.distributed import run_ranks
+from tests.support.distributed import run_ranks
 
 # a packed row whose per-document zigzag over 4 ranks is NOT the 2-rank one read over pairs of ranks, so usp 2 x 2
 # plans its ring from the groups' own pieces (asserted below: the path cannot go untested)

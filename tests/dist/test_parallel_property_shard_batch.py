@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import run_ranks
+from tests.support.distributed import run_ranks
 
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
 DEFAULT_CASES = {1: 16, 2: 16, 3: 10, 4: 10}  # 52 in the default suite (the larger worlds cost more)

@@ -8,7 +8,7 @@ them by module and name into fresh processes.
 from __future__ import annotations
 
 from longdoc.runtime.launch import set_launcher_env
-from tests.distributed import run_ranks
+from tests.support.distributed import run_ranks
 
 
 def ranks(world_size: int, fn, *args, **kwargs):

@@ -1,4 +1,4 @@
-"""CP-vs-one-process checks for hybrid models (tests/hf_hybrids.py), run inside each rank.
+"""CP-vs-one-process checks for hybrid models (tests/support/hf_hybrids.py), run inside each rank.
 
 A case is a batch of rows given as documents: plain rows, left/right-padded rows (attention_mask), or packed
 rows (position_ids restarting per document, rows packed differently). The reference runs every document (every
@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from longdoc.parallel import layout as layouts
 from longdoc.parallel.batch import documents_of
-from tests.cp_reference import rms_err
-from tests.hf_cases import cp_step
+from tests.support.cp_reference import rms_err
+from tests.support.hf_cases import cp_step
 
 LENGTH = 40
 
@@ -119,8 +119,8 @@ POOLED_BELOW = 4096
 
 
 def vs_one_device(got, one, ref) -> dict[str, tuple[float, float]]:
-    """{quantity: (CP's error, one process's error)}, normwise (tests.cp_reference.rms_err) against `ref`: `got` is
-    CP's result in bf16 (cp_result), `one` one process's in bf16 and `ref` fp32's on the same weights (reference()).
+    """{quantity: (CP's error, one process's error)}, normwise (tests.support.cp_reference.rms_err) against `ref`: `got`
+    is CP's result in bf16 (cp_result), `one` one process's in bf16 and `ref` fp32's on the same weights (reference()).
     Quantities: the loss (relative), the logits of every document, each gradient of POOLED_BELOW entries or more,
     and the smaller gradients together."""
     logits = [torch.cat([t for row in x[0] for t in row]) for x in (got, one, ref)]

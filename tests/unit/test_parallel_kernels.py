@@ -4,7 +4,7 @@ import torch.nn.functional as F
 
 import longdoc
 from longdoc.parallel import kernels
-from tests.cp_reference import rel_err
+from tests.support.cp_reference import rel_err
 
 
 @pytest.mark.parametrize("name", ["cpu_flash", "math"])
@@ -73,7 +73,7 @@ def test_validation_dtype_and_strategy():
 # ---- patterns: band masks and soft-capping in the block kernels ------------------------------------
 
 from longdoc.parallel.masks import band_hidden  # noqa: E402
-from tests.cp_reference import pattern_reference  # noqa: E402
+from tests.support.cp_reference import pattern_reference  # noqa: E402
 
 
 @pytest.mark.parametrize(("name", "softcap"), [("cpu_flash", None), ("math", None), ("math", 1.5)])

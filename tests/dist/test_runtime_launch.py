@@ -3,7 +3,7 @@ additionally gets the launcher's variables (for Accelerate) sees the same world.
 
 from __future__ import annotations
 
-from tests.distributed import run_ranks
+from tests.support.distributed import run_ranks
 
 
 def _where_am_i(rank: int, world_size: int):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed import run_ranks
+from tests.support.distributed import run_ranks
 
 CFG = {"lengths": [1024], "samples": 3, "ruler_tasks": "niah_multivalue,vt,cwe,qa", "seed": 4}
 

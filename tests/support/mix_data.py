@@ -48,7 +48,7 @@ def mix_recipe(paths: dict[str, str], out, kl: float = 0.5, document: float = 0.
     """A tiny-model LoRA recipe over every source kind: QA rows with document loss and KL, packed plain text
     with its own loss weight and KL, packed rehearsal; embeddings (tied with lm_head) and norms trained beside
     the adapters. context_positions: set on the QA and the text source (their document loss / KL drawn)."""
-    from tests.training import tiny_recipe
+    from tests.support.training import tiny_recipe
 
     mix = [{"source": "qa", "path": paths["qa"], "weight": 2, "document_loss_weight": document, "kl_weight": kl},
            {"source": "text", "path": paths["text"], "weight": 1, "pack": True, "loss_weight": 0.5,
@@ -61,7 +61,7 @@ def mix_recipe(paths: dict[str, str], out, kl: float = 0.5, document: float = 0.
                        lora={"enabled": True, "r": 4, "train_embeddings": True, "train_norms": True},
                        data={"path": "", "seq_len": 256, "mix": mix},
                        # lr 1e-2: the adapters move enough in 3 steps that the KL term is far from 0. Runs compared
-                       # step by step are pinned to one parameter trajectory (tests/training.py: train_pinned)
+                       # step by step are pinned to one parameter trajectory (tests/support/training.py: train_pinned)
                        optim={"lr": 1e-2},
                        train={"steps": 3, "batch_size": 2, "loss_chunk_tokens": 64, "mixed_precision": "no"})
 
@@ -73,7 +73,7 @@ class _Stop(Exception):
 def train_stopped_at(rank: int, world_size: int, recipe: dict, overrides: list[str], stop: int):
     """Train until step `stop` is done but before its checkpoint is written (on_step runs first), then stop;
     return the steps taken."""
-    from tests.training import accelerate_env
+    from tests.support.training import accelerate_env
 
     accelerate_env(rank, world_size)
     from longdoc.train import recipe_from_dict

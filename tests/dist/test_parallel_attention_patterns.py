@@ -10,8 +10,8 @@ import torch
 
 import longdoc
 from longdoc.parallel.layout import Packed
-from tests.cp_reference import check_cases, pattern_cases, run_pattern_case
-from tests.distributed import run_ranks
+from tests.support.cp_reference import check_cases, pattern_cases, run_pattern_case
+from tests.support.distributed import run_ranks
 
 
 def _cases(rank: int, world_size: int, full: bool) -> list[tuple[tuple, dict[str, float]]]:

@@ -1,5 +1,5 @@
 """Lightning attention, RG-LRU, RWKV-4 and mLSTM state passing (longdoc.parallel.recurrent) against sequential
-float64 definitions, one process: a sequence cut into pieces composed by their summaries (tests.recurrent_check)
+float64 definitions, one process: a sequence cut into pieces composed by their summaries (tests.support.recurrent_check)
 equals the unsplit scan, outputs, final state and gradients, with decays near 0 and near 1 and a document reset."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from transformers.models.rwkv.modeling_rwkv import rwkv_linear_attention_cpu
 from transformers.models.xlstm import modeling_xlstm
 
 from longdoc.parallel.recurrent import lightning, mlstm, rglru, rwkv
-from tests.recurrent_check import compose
+from tests.support.recurrent_check import compose
 
 CUTS = (5, 17, 1, 29)  # pieces shorter and longer than the block / chunk sizes, a one-token piece
 GEN = torch.Generator

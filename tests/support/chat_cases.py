@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from tests.trainer_cases import launcher_env
-from tests.training import accelerate_env
+from tests.support.trainer_cases import launcher_env
+from tests.support.training import accelerate_env
 
 
 def chat_cases(rank: int, world_size: int, recipes: dict[str, dict], overrides: list[str], rows: list[dict],

@@ -18,7 +18,7 @@ import torch
 
 from longdoc.hf.kinds import dsa
 from longdoc.parallel import layout as layouts
-from tests.hf_dsa import TOPK, dsa_config
+from tests.support.hf_dsa import TOPK, dsa_config
 
 LENGTH = 48
 ZERO_KEYS = (1, 2, 4, 7, 11, 12, 13, 20, 21, 30)  # index keys set to 0: exact ties at score 0

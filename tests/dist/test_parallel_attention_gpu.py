@@ -7,8 +7,8 @@ import torch
 
 import longdoc
 from longdoc.parallel import kernels
-from tests.cp_reference import HEADS, make_case, reference, rel_err
-from tests.distributed import run_ranks
+from tests.support.cp_reference import HEADS, make_case, reference, rel_err
+from tests.support.distributed import run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -53,7 +53,7 @@ def test_cp_on_cuda_two_ranks_share_device(strategy):
 # ---- attention patterns on CUDA: band masks (memory-efficient kernel), soft-capping, sinks --------
 
 from longdoc.parallel.masks import band_hidden  # noqa: E402
-from tests.cp_reference import PATTERNS, pattern_reference, run_pattern_case  # noqa: E402
+from tests.support.cp_reference import PATTERNS, pattern_reference, run_pattern_case  # noqa: E402
 
 _GPU_KERNEL_CASES = [("cuda_efficient", torch.float32, None), ("cuda_efficient", torch.bfloat16, None),
                      ("math", torch.bfloat16, 2.0), ("math", torch.float32, 2.0)]

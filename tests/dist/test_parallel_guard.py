@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-from tests.distributed import run_ranks
-from tests.training import accelerate_env, ranks, tiny_recipe
+from tests.support.distributed import run_ranks
+from tests.support.training import accelerate_env, ranks, tiny_recipe
 
 
 def _scenarios(rank: int, world_size: int, scenarios: list[tuple[dict, float, float]]) -> list[tuple]:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PreTrainedModel
 
-from tests.hf_cases import eager_causal_lm, twin_pair
+from tests.support.hf_cases import eager_causal_lm, twin_pair
 
 TOPK = 8
 _COMMON: dict[str, Any] = dict(

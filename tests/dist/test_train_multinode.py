@@ -31,7 +31,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from tests.training import max_rel_err, tiny_recipe
+from tests.support.training import max_rel_err, tiny_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

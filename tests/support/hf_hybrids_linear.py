@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PreTrainedModel
 
-from tests.hf_cases import eager_causal_lm, twin_pair
+from tests.support.hf_cases import eager_causal_lm, twin_pair
 
 WINDOW = 7
 _COMMON: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -99,7 +99,7 @@ def linear_pair(arch: str, seed: int = 1, dtype: torch.dtype = torch.float32,
     return twin_pair(linear_config(arch, **overrides), seed, dtype, build=lambda config: linear_model(arch, config))
 
 
-hybrid_config = linear_config  # the name tests/survey.py looks up in each family module
+hybrid_config = linear_config  # the name tests/support/survey.py looks up in each family module
 
 
 # ---- a float64 delta rule: the definition, so that CP and one process are compared at float64 precision ----
@@ -156,6 +156,6 @@ _MODELING = {arch: f"transformers.models.{_PACKAGES.get(arch, arch)}.modeling_{_
 
 
 def exact_kernels(arch: str):
-    """For tests/survey.py: float64_delta_rule for a delta-rule family, else nothing to swap."""
+    """For tests/support/survey.py: float64_delta_rule for a delta-rule family, else nothing to swap."""
     arch = arch if arch in _MODELING else f"{arch}_text"  # the survey names composite types (qwen3_5)
     return float64_delta_rule(arch) if arch in _MODELING else contextlib.nullcontext()

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PreTrainedModel
 
-from tests.hf_cases import twin_pair
+from tests.support.hf_cases import twin_pair
 
 _COMMON: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                                head_dim=16, vocab_size=256, max_position_embeddings=4096, initializer_range=0.1)

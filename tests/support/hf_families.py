@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PreTrainedModel
 
-from tests.hf_cases import twin_pair
+from tests.support.hf_cases import twin_pair
 
 WINDOW = 7
 _COMMON: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import longdoc
-from tests.cp_reference import cases, check_cases, run_case
-from tests.distributed import run_ranks
+from tests.support.cp_reference import cases, check_cases, run_case
+from tests.support.distributed import run_ranks
 
 
 def _gather_round_trip(cp) -> dict[str, float]:

@@ -11,7 +11,7 @@ import transformers
 
 import longdoc
 from longdoc.hf import UnsupportedFeatureError, kinds, patch, unpatch, upstream
-from tests.hf_hybrids_linear import linear_config, linear_model
+from tests.support.hf_hybrids_linear import linear_config, linear_model
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from longdoc.hf.kinds import dsa
-from tests.dsa_rule import TOPK, by_rule, exact_ties, indexer_case, row_scores, select, select_as_ranks
+from tests.support.dsa_rule import TOPK, by_rule, exact_ties, indexer_case, row_scores, select, select_as_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

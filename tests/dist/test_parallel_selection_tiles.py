@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 import longdoc
-from tests.cp_reference import PATTERNS, check_cases, pattern_cases, run_pattern_case
-from tests.distributed import run_ranks
-from tests.small_tiles import small_tiles
+from tests.support.cp_reference import PATTERNS, check_cases, pattern_cases, run_pattern_case
+from tests.support.distributed import run_ranks
+from tests.support.small_tiles import small_tiles
 
 
 def _cases(rank: int, world_size: int) -> tuple[list, dict]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from longdoc.hf.kinds import dsa
-from tests.dsa_rule import by_rule, exact_ties, indexer_case, row_scores, select, select_as_ranks
+from tests.support.dsa_rule import by_rule, exact_ties, indexer_case, row_scores, select, select_as_ranks
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -12,7 +12,7 @@ from longdoc.hf.recurrent import torch_path
 from longdoc.parallel import layout as layouts
 from longdoc.parallel.recurrent import SSD, Segments, Selective
 from longdoc.parallel.recurrent import state as driver
-from tests import recurrent_reference as ref
+from tests.support import recurrent_reference as ref
 
 
 def _segment_cases():

@@ -81,7 +81,7 @@ def test_prefix_plan_covers_causal_prefix():
 # ---- pattern plans: windows, chunks, documents ---------------------------------------------------
 
 from longdoc.parallel import masks as M  # noqa: E402
-from tests.cp_reference import pattern_mask  # noqa: E402
+from tests.support.cp_reference import pattern_mask  # noqa: E402
 
 
 def _pattern_coverage(layout, world_size, n, pattern):
@@ -147,7 +147,7 @@ def test_ring_stops_when_no_rank_needs_more_blocks():
 def test_off_by_one_window_is_caught_by_the_reference():
     # mutation check: a window that lets one key too many through must fail the comparison
     import longdoc
-    from tests.cp_reference import make_case, pattern_reference, rel_err
+    from tests.support.cp_reference import make_case, pattern_reference, rel_err
 
     q, k, v, dout = make_case(0, 1, (2, 1), 24, 8, torch.float32)
     ref = pattern_reference(q, k, v, dout, pattern_mask(24, True, 5))
