@@ -24,7 +24,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from longdoc.plan.layer_kinds import (  # noqa: F401 - ATTENTION_LAYER_TYPES, the sub-shapes re-exported
+from longdoc.plan.layer_shapes import (  # noqa: F401 - ATTENTION_LAYER_TYPES, the sub-shapes re-exported
     ATTENTION_LAYER_TYPES,
     MODELLED_MIXERS,
     PURE_SSM,

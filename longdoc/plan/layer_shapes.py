@@ -1,6 +1,7 @@
-"""The layer kinds of a config beyond a Llama layer, as the planner sees them: each layer's sequence mixer (attention,
+"""The layers of a config beyond a Llama layer, as the planner sees them: each layer's sequence mixer (attention,
 Mamba2, Gated DeltaNet, or a kind not modelled) and MLP (dense, MoE or none), and the shapes of the MoE experts, the
-recurrent mixers, MLA and the DSA indexer (longdoc.plan.kinds prices them; longdoc.plan.shapes reads them)."""
+recurrent mixers, MLA and the DSA indexer (longdoc.plan.layer_activations prices them; longdoc.plan.shapes reads
+them)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def get(cfg, *names: str, default: Any = None) -> Any:
 
 @dataclass(frozen=True, kw_only=True)
 class MoeShape:
-    """Routed experts (and shared ones) of a MoE MLP, as `longdoc.plan.kinds` prices them."""
+    """Routed experts (and shared ones) of a MoE MLP, as `longdoc.plan.layer_activations` prices them."""
 
     experts: int
     top_k: int
@@ -103,7 +104,8 @@ ATTENTION_LAYER_TYPES = frozenset({"attention", "full_attention", "sliding_atten
                                    "indexed_attention"})
 
 
-MODELLED_MIXERS = frozenset({"mamba2", "gated_deltanet"})  # priced by longdoc.plan.kinds; other kinds as attention
+# priced by longdoc.plan.layer_activations; other kinds as attention
+MODELLED_MIXERS = frozenset({"mamba2", "gated_deltanet"})
 PURE_SSM = frozenset({"mamba2"})  # every block: a norm and the mixer, no MLP
 # layer kinds the planner does not price yet, named in the plan's notes: one block per layer (a mixer, an MLP or MoE
 # alone: NemotronH) and a Mamba2 mixer beside every attention (Falcon-H1)
