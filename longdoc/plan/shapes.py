@@ -259,9 +259,3 @@ def lora_params_per_layer(shape: ModelShape, rank: int, targets: tuple[str, ...]
         raise ValueError(f"LoRA targets {unknown} are not modelled by the planner; use among {', '.join(dims)}")
     return sum(rank * (a + b) for a, b in (dims[t] for t in targets))
 
-
-def llama_formula_params(shape: ModelShape) -> int:
-    """The hand formula of the module docstring (Llama-shaped models without biases)."""
-    h, q, kv, i = shape.hidden, shape.q, shape.kv, shape.intermediate
-    per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h
-    return shape.layers * per_layer + shape.vocab * h * (1 if shape.tied else 2) + h
