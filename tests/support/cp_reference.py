@@ -240,7 +240,7 @@ def pattern_cases(full: bool = False, strategies=("ring", "allgather")) -> list[
     for p_i, name in enumerate(PATTERNS):
         for l_i, (layout, strategy) in enumerate(itertools.product(("zigzag", "contiguous"), strategies)):
             if "selected" in PATTERNS[name] and strategy in ("ulysses", "usp"):
-                continue  # refused by name (tests/unit/test_ulysses_plan.py)
+                continue  # refused by name (tests/unit/test_parallel_ulysses_plan.py)
             if full:
                 out += [(name, layout, strategy, h, d) for h in HEADS for d in DTYPES]
                 continue

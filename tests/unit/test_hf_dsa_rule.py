@@ -1,6 +1,6 @@
 """The DSA indexer's stable rule (longdoc.hf.kinds.dsa) in one process on CPU: the selection is the same at every
 tile shape and for the pieces of 2 and 3 ranks, crafted exact ties included, and it is the rule's by definition
-(highest float64 score, equal scores to the lower key index). tests/dist/test_dsa_gpu.py runs the same on CUDA."""
+(highest float64 score, equal scores to the lower key index). tests/dist/test_hf_dsa_gpu.py runs the same on CUDA."""
 
 from __future__ import annotations
 

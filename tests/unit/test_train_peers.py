@@ -1,6 +1,6 @@
 """The lost-peer watcher (longdoc.train.peers) against a real TCPStore, in seconds: a silent peer is named and
 the watcher's rank stopped; a finished peer is never reported; a failing rank gets the silent peers named.
-The two-node runs themselves: tests/dist/test_multinode.py (slow)."""
+The two-node runs themselves: tests/dist/test_train_multinode.py (slow)."""
 
 from __future__ import annotations
 
