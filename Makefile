@@ -41,7 +41,7 @@ lock:
 	test -x $(LATEST_VENV)/bin/python || { echo "run make test-latest first: the lock records what it tested"; exit 2; }
 	# the transformers sources longdoc re-implements, as recorded or NEW (update with --update once reviewed)
 	$(LATEST_VENV)/bin/python -m longdoc.hf.upstream
-	$(LATEST_VENV)/bin/python -m longdoc.lockfile $(CONSTRAINTS)
+	$(LATEST_VENV)/bin/python tools/lockfile.py $(CONSTRAINTS)
 
 # The checks that need a GPU (longdoc/bench/gpucheck.py): pytest -m gpu, `longdoc bench gpu`, and one full-fine-tuning
 # step of a 1B-class model with the checkpoint offload off and on, peak vs the planner; at most 8 minutes on one H200.

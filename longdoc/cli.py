@@ -24,7 +24,7 @@ VERB_MODULES: list[str] = [
     "longdoc.train.cli",
     "longdoc.eval.cli",
     "longdoc.corpus.cli",
-    "longdoc.resources",
+    "longdoc.runtime.resources",
 ]
 
 

@@ -6,7 +6,7 @@
     # anything else is a bug: its traceback, exit status 3 (longdoc.cli)
 
 A user error names the problem and the fix in its message, so the message is all the user needs; it is raised
-alike in one process and inside spawned ranks (longdoc.spawn sends it back to the parent, which re-raises it),
+alike in one process and inside spawned ranks (longdoc.runtime.spawn sends it back to the parent, which re-raises it),
 so `--cp 2` prints the same line as a single process. A longdoc exception class says it is a user error by
 deriving from `UserError` (next to its own base: `class CheckpointError(UserError, RuntimeError)`); this module
 imports no other longdoc layer, so every layer can use it.

@@ -11,7 +11,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
-from longdoc.spawn import run_local
+from longdoc.runtime.spawn import run_local
 
 
 @dataclass(kw_only=True)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from longdoc.parallel import strategy as registry
-from longdoc.spawn import run_local
+from longdoc.runtime.spawn import run_local
 
 VARIANTS = (("zigzag", "ring"), ("contiguous", "ring"), ("zigzag", "allgather"), ("contiguous", "allgather"),
             ("zigzag", "ulysses"), ("zigzag", "usp"))

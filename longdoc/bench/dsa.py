@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from longdoc.bench.attention import timed
-from longdoc.spawn import run_local
+from longdoc.runtime.spawn import run_local
 
 
 @dataclass(kw_only=True)

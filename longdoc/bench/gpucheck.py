@@ -139,7 +139,7 @@ def run_step(cuda: bool, dry_run: bool) -> dict[str, Any]:
     """The 1B-class step with offload off and on, beside the planner's prediction (the dry run: a tiny config, a
     short length, on the CPU)."""
     from longdoc.models import load_config
-    from longdoc.resources import resource_dir
+    from longdoc.runtime.resources import resource_dir
 
     if dry_run:
         model, device, seq_len, cap = "tiny:llama", "cpu", 256, None

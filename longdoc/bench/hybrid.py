@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from longdoc.bench.attention import timed
-from longdoc.spawn import run_local
+from longdoc.runtime.spawn import run_local
 
 _CALLERS = {"longdoc.parallel.recurrent.state": "state", "longdoc.parallel.recurrent.halo": "halo",
             "longdoc.parallel.ring": "ring attention", "longdoc.parallel.allgather": "all-gather attention"}

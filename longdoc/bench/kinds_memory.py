@@ -14,7 +14,8 @@ activations. Per rank:
            every op's output storage until it is freed): saved tensors, temporaries, backward buffers. Gradients
            are allocated before the step and accumulate in place, so they do not count; weights never do.
   RSS      growth of the process's peak resident size (VmHWM, reset before the step) over its size before the step,
-           with glibc returning freed memory at once (longdoc.budgets.return_freed_memory, as longdoc's launcher)
+           with glibc returning freed memory at once (longdoc.runtime.budgets.return_freed_memory, as longdoc's
+           launcher)
 Targets (issue 28): cp=2 / cp=1 at most 0.55 for peak tracked bytes and at most 0.65 for RSS (the exit status is 1
 when a kind misses one, except with --quick). The largest owners of live bytes at the peak (module or backward node)
 and of the saved bytes are kept per run (`top_at_peak`, `top_saved`), to show which terms do not shrink with cp.
@@ -37,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from longdoc.spawn import run_local
+from longdoc.runtime.spawn import run_local
 
 TRACKED_TARGET = 0.55
 RSS_TARGET = 0.65

@@ -41,10 +41,10 @@ from longdoc.bench.runs import RunResult, TrainRun, run_steps
 from longdoc.bench.sections import LONGEST_DEFAULT_FEATURES as DEFAULT_FEATURES
 from longdoc.bench.sections import LONGEST_FEATURES as FEATURES
 from longdoc.bench.sections import LONGEST_MODELS as MODELS
-from longdoc.budgets import loss_chunk_tokens
 from longdoc.io import atomic_write_text
 from longdoc.plan.hardware import Precision, cpu_precision
 from longdoc.plan.planner import PlanRequest
+from longdoc.runtime.budgets import loss_chunk_tokens
 
 TOLERANCE = 0.05  # issue 28: the planner within 5% of every measured CPU peak
 PROBE_SHARE = 0.8  # a probe's predicted peak stays under this share of the cap

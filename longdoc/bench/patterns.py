@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from longdoc.bench.attention import timed
-from longdoc.spawn import run_local
+from longdoc.runtime.spawn import run_local
 
 
 @dataclass(kw_only=True)

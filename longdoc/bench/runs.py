@@ -3,7 +3,7 @@
     result = run_steps(TrainRun(model="tiny", cp=2, seq_len=8192))
     result.peak_gib          # the largest peak RSS of any rank over its whole life (model load included)
 
-Each run starts fresh processes (`longdoc.spawn.run_local`), so a rank's peak resident set size
+Each run starts fresh processes (`longdoc.runtime.spawn.run_local`), so a rank's peak resident set size
 (`ru_maxrss`, never reset) is the honest memory a machine must provide for it: Python, torch,
 transformers, the model load, every step. Runs use `longdoc.train.loop.train` itself, with random
 tokens and nothing written but a scratch folder.
@@ -19,9 +19,9 @@ import resource
 import tempfile
 from dataclasses import asdict, dataclass, field
 
-from longdoc.launch import set_launcher_env
 from longdoc.plan.hardware import PRECISIONS, Precision, cpu_precision
-from longdoc.spawn import run_local
+from longdoc.runtime.launch import set_launcher_env
+from longdoc.runtime.spawn import run_local
 
 # The benchmarks' tiny model: small enough for 32k tokens on two cores, with the real tokenizer's
 # vocabulary so the loss chunks weigh what they weigh for the 135M model.

@@ -36,7 +36,8 @@ import argparse
 import sys
 from typing import Any
 
-from longdoc import cliargs, zoo
+from longdoc import cliargs
+from longdoc.models import zoo
 from longdoc.parallel import strategy as registry
 from longdoc.parallel.layout import LAYOUTS
 

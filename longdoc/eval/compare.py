@@ -321,7 +321,7 @@ def main(cfg: dict[str, Any]) -> Path | None:
         if done is None:
             return None  # not rank 0: the folders are written there
         sides = [runs if runs is not None else done[name] for name, runs in zip(names, sides)]
-    from longdoc.launch import launched_world
+    from longdoc.runtime.launch import launched_world
 
     if not launched_world().is_main:  # under a launcher only rank 0 writes the comparison
         return None

@@ -157,7 +157,7 @@ def _check_models(to_run: list[tuple[str, str]], shared: dict[str, Any], overrid
 
 def main(cfg: dict[str, Any]) -> int:
     """The `longdoc eval guard` command: its exit status (0 NO HARM, 1 HARM); bad input raises (exit 2)."""
-    from longdoc.launch import launched_world
+    from longdoc.runtime.launch import launched_world
 
     shared, overrides, names = plan(cfg)
     reused = {n: reused_runs(cfg[n]) for n in NAMES}

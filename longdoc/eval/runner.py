@@ -4,7 +4,7 @@ Two ways to get N ranks, chosen by `run`:
   - under a launcher (`accelerate launch` / `torchrun`: WORLD_SIZE is set, or torch.distributed is
     already initialized): this process is one rank; the whole world is the CP group and must equal
     --cp. GPUs are used when present (NCCL), CPUs otherwise (gloo).
-  - otherwise, with --cp N > 1: N local gloo ranks are spawned on this machine (longdoc.spawn), each
+  - otherwise, with --cp N > 1: N local gloo ranks are spawned on this machine (longdoc.runtime.spawn), each
     loading the model on CPU; the calling process waits and gets rank 0's result.
 
 A job is a module-level function `fn(cp, device, cfg) -> dict` (picklable for spawning; see
@@ -42,7 +42,7 @@ def device_for(cfg: dict[str, Any], launched: bool):
     if want == "cuda" or (want == "auto" and launched and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise RuntimeError("--device cuda but CUDA is not available; use --device cpu")
-        from longdoc.launch import launched_world
+        from longdoc.runtime.launch import launched_world
 
         local = launched_world().local_rank
         torch.cuda.set_device(local)
@@ -132,7 +132,7 @@ def run(fn: Job, cfg: dict[str, Any]) -> dict[str, Any] | None:
     cp_size = int(cfg.get("cp", 1))
     if cp_size < 1:
         raise ValueError(f"--cp must be >= 1, got {cp_size}")
-    from longdoc.launch import launched_world, process_group
+    from longdoc.runtime.launch import launched_world, process_group
 
     if (launch := launched_world()).launched:
         world = launch.world_size
@@ -146,7 +146,7 @@ def run(fn: Job, cfg: dict[str, Any]) -> dict[str, Any] | None:
     if cp_size == 1:
         return run_rank(fn, cfg)
     from longdoc.errors import USER_ERRORS
-    from longdoc.spawn import run_local
+    from longdoc.runtime.spawn import run_local
 
     threads = int(cfg.get("threads") or max(1, (os.cpu_count() or 1) // cp_size))
     # The deadline bounds the whole run; collectives keep their own timeout (cfg["timeout"]).

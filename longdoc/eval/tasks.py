@@ -72,7 +72,7 @@ def run_suite(models: list[tuple[str, str]], names: list[str], cfg: dict[str, An
     is in the content cache (longdoc.eval.cache) is not run again; a model with every task cached starts no
     ranks."""
     from longdoc.eval import cache
-    from longdoc.launch import launched_world
+    from longdoc.runtime.launch import launched_world
 
     overrides = overrides or {}
     for t in names:

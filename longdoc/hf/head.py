@@ -3,7 +3,7 @@
 At 32k tokens and a 49k vocabulary, one rank's fp32 logits and their gradient are several GB, more than all the
 rest of the step. `chunked_ce_sum` runs the head over `chunk_tokens` loss tokens at a time, each chunk under
 activation checkpointing (its logits freed after the forward, recomputed in the backward), so at most one chunk's
-logits exist. `loss_chunk_tokens(vocab)` (longdoc.budgets) sizes the chunk from the vocabulary: its fp32 buffers
+logits exist. `loss_chunk_tokens(vocab)` (longdoc.runtime.budgets) sizes the chunk from the vocabulary: its fp32 buffers
 (log-probs, their gradient and the logits' gradient, 12 bytes per token and vocabulary entry) stay under
 LOSS_CHUNK_BYTES.
 
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from longdoc.budgets import LOSS_CHUNK_BYTES, loss_chunk_tokens  # noqa: F401  (re-exported)
+from longdoc.runtime.budgets import LOSS_CHUNK_BYTES, loss_chunk_tokens  # noqa: F401  (re-exported)
 
 IGNORE = -100
 

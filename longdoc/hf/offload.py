@@ -159,11 +159,3 @@ def offload_checkpoints(model, pin_memory: bool = True) -> CheckpointOffloader:
         inner = func.inner if isinstance(func, _OffloadedCheckpoint) else func
         layer._gradient_checkpointing_func = _OffloadedCheckpoint(offloader, ordinal, inner)
     return offloader
-
-
-def remove_offload(model) -> None:
-    """Undo offload_checkpoints: the layers checkpoint with their original function again."""
-    for layer in _layers(model):
-        func = getattr(layer, "_gradient_checkpointing_func", None)
-        if isinstance(func, _OffloadedCheckpoint):
-            layer._gradient_checkpointing_func = func.inner

@@ -131,11 +131,11 @@ def label_losses(model: torch.nn.Module, cp: ContextParallel, batch: Mapping[str
                  chunk_tokens: int | None = None, pad_token_id: int = 0) -> tuple[torch.Tensor, dict]:
     """(-log p of each labelled token this rank holds, fp32 (n,), in the order of local["shift_labels"]'s entries
     other than -100; the local batch). From the decoder's hidden states through the LM head `chunk_tokens` tokens at
-    a time (default: sized from the vocabulary, longdoc.budgets), so no (local tokens x vocab) logits exist; the
+    a time (default: sized from the vocabulary, longdoc.runtime.budgets), so no (local tokens x vocab) logits exist; the
     model's own logits of a few positions check the head first (an unknown final transform is refused by name)."""
-    from longdoc.budgets import loss_chunk_tokens
     from longdoc.hf.head import LogitHead, token_ce
     from longdoc.hf.patch import PROBE_ROWS, check_probe
+    from longdoc.runtime.budgets import loss_chunk_tokens
 
     _check_patched(model, cp)
     local = shard_batch(dict(batch), cp, pad_token_id=pad_token_id)

@@ -53,7 +53,7 @@ _DROPPED_KEYS = ("use_cache", "num_items_in_batch")
 
 
 def _launched_world_size() -> int:
-    from longdoc.launch import launched_world
+    from longdoc.runtime.launch import launched_world
 
     return launched_world().world_size
 

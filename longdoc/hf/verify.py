@@ -25,8 +25,9 @@ import sys
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from longdoc import cliargs, zoo
+from longdoc import cliargs
 from longdoc.errors import EXIT_CODES
+from longdoc.models import zoo
 from longdoc.parallel import strategy as registry
 from longdoc.parallel.layout import LAYOUTS
 
@@ -112,12 +113,12 @@ def _main(args: argparse.Namespace) -> int:
                          f"--cp {args.cp}")
     spec = Spec(args.model, args.cp, args.seq_len, args.batch_size, args.dtype, args.layout, args.strategy,
                 args.seed, args.timeout, args.text, args.ulysses_size)
-    from longdoc.launch import launched_world
+    from longdoc.runtime.launch import launched_world
 
     if (launch := launched_world()).launched:  # started by torchrun / accelerate launch
         return _main_launched(spec, launch.world_size)
     from longdoc.errors import USER_ERRORS
-    from longdoc.spawn import run_local
+    from longdoc.runtime.spawn import run_local
 
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.cp)
     print(f"longdoc verify: {args.model}, cp={args.cp} ({args.layout}, {args.strategy}), "
@@ -128,7 +129,7 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def _main_launched(spec: Spec, world_size: int) -> int:
-    from longdoc.launch import process_group
+    from longdoc.runtime.launch import process_group
 
     if world_size != spec.cp:  # before joining: every rank stops with the same message, none waits
         raise ValueError(f"--cp {spec.cp} but the launcher started {world_size} processes; pass --cp {world_size}")

@@ -25,7 +25,7 @@ def _evaluate(argv: list[str]) -> None:
     from lm_eval.__main__ import cli_evaluate
 
     import longdoc.lmeval.model  # noqa: F401 - registers the "longdoc" model
-    from longdoc.launch import launched_world
+    from longdoc.runtime.launch import launched_world
 
     sys.argv = [sys.argv[0], *argv]
     if not launched_world().is_main:
@@ -87,9 +87,9 @@ def check(margs: dict[str, Any]) -> None:
 def _rank(rank: int, world_size: int, argv: list[str]) -> None:
     import torch
 
-    from longdoc.launch import set_launcher_env
+    from longdoc.runtime.launch import set_launcher_env
 
-    # lm-eval and Accelerate read the launcher's variables; the group is joined already (longdoc.spawn)
+    # lm-eval and Accelerate read the launcher's variables; the group is joined already (longdoc.runtime.spawn)
     set_launcher_env(rank, world_size, OMP_NUM_THREADS=str(torch.get_num_threads()))
     _evaluate(argv)
 
@@ -98,7 +98,7 @@ def _spawn(argv: list[str], cp: int, margs: dict[str, Any]) -> None:
     import torch
 
     from longdoc.errors import USER_ERRORS
-    from longdoc.spawn import run_local
+    from longdoc.runtime.spawn import run_local
 
     if torch.cuda.is_available():
         raise ValueError(f"cp={cp} needs {cp} processes, one per CP rank; on GPUs start them with `torchrun "
@@ -114,7 +114,7 @@ def _spawn(argv: list[str], cp: int, margs: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run lm-eval's command line on `argv` (default: this process's arguments); returns the exit status."""
     from longdoc.errors import EXIT_BUG, EXIT_USAGE, USER_ERRORS
-    from longdoc.launch import launched_world
+    from longdoc.runtime.launch import launched_world
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if launched_world().launched:  # one rank of a launched world: every process runs the evaluation

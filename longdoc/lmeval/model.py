@@ -43,8 +43,8 @@ from longdoc.eval import runner
 from longdoc.hf.decode import Sampler
 from longdoc.hf.prefill import target_scores
 from longdoc.hf.session import KVSession
-from longdoc.launch import launched_world, process_group
 from longdoc.parallel import comm
+from longdoc.runtime.launch import launched_world, process_group
 
 __all__ = ["LongDocLM"]
 

@@ -5,7 +5,7 @@
     models.load("tiny:qwen3")                        # the same model with the default tokenizer's vocabulary
     models.load("tiny:gemma2")                       # a family with its patterns on (window 32, soft-capping)
 
-The names and their configs are in longdoc.zoo. Every architecture here routes attention through transformers'
+The names and their configs are in longdoc.models.zoo. Every architecture here routes attention through transformers'
 AttentionInterface, so CP can patch it.
 """
 
@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from longdoc import zoo
+from longdoc.models import zoo
 
 TINY_PREFIX = "tiny:"
 
-# The names live in longdoc.zoo (plain data, so --help lists them without importing transformers).
+# The names live in longdoc.models.zoo (plain data, so --help lists them without importing transformers).
 TINY_ARCHS: tuple[str, ...] = tuple(zoo.PLAIN)  # the plain test zoo (model_type = name, full attention)
 TINY_PATTERN_ARCHS: tuple[str, ...] = tuple(zoo.PATTERNED)  # families with windows / sinks / soft-caps / chunks on
 TINY_HYBRIDS: tuple[str, ...] = tuple(zoo.HYBRID)  # state-space / conv layers (longdoc.hf.kinds)
@@ -48,7 +48,7 @@ def tiny_config(arch: str, **overrides: Any) -> PretrainedConfig:
     """A tiny fp32-friendly config of `arch` (one of TINY_NAMES): hidden 64, 2 layers, 4 q / 2 kv heads.
 
     No dropout anywhere; the plain archs (TINY_ARCHS) have no sliding window unless `overrides` ask for one,
-    the patterned ones (TINY_PATTERN_ARCHS) have theirs on (longdoc.zoo).
+    the patterned ones (TINY_PATTERN_ARCHS) have theirs on (longdoc.models.zoo).
     """
     if arch in zoo.PLAIN:
         model_type, own = arch, zoo.PLAIN[arch]

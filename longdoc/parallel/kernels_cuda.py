@@ -3,7 +3,7 @@
 Same contract as longdoc/parallel/kernels.py (which registers and selects them). K/V arrive compact
 (kv_heads); the aten ops want q_heads, so they are expanded here, after communication, and their
 gradients reduced back. flash-attn handles GQA and soft-capping natively. Covered by the
-@pytest.mark.gpu tests (tests/dist/test_attention_gpu.py).
+@pytest.mark.gpu tests (tests/dist/test_parallel_attention_gpu.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ pieces the strategies build theirs from (a ring's rotation, a Ulysses all-to-all
 
 Formulas read off the code paths (ring.py, allgather.py, ulysses.py) for plain causal or bidirectional
 attention; windows, chunks and documents can only shorten the ring (pass `ring_steps`,
-blocks.ring_steps gives it). tests/dist/test_attention_ulysses.py checks them against the traffic
+blocks.ring_steps gives it). tests/dist/test_parallel_attention_ulysses.py checks them against the traffic
 counted on real gloo ranks (longdoc.bench.traffic). Left out: the agreement checks (a few ints per call).
 "Sent" counts what leaves a rank; what a collective does inside (gloo's all-reduce) is modelled as a ring
 all-reduce, 2 (P-1) / P of the buffer. Pure arithmetic: no torch.distributed needed.

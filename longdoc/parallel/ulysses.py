@@ -35,7 +35,7 @@ Sinks (GPT-OSS): a rank folds only its own heads' sinks into its merged (out, ls
 zero for the other heads, so summed over the CP group it is the full gradient, as for the ring.
 
 When each strategy wins. Bytes a rank SENDS per attention forward + backward (longdoc.parallel.traffic has the
-exact formulas, checked against counted traffic by tests/dist/test_attention_ulysses.py; timings are
+exact formulas, checked against counted traffic by tests/dist/test_parallel_attention_ulysses.py; timings are
 `longdoc bench attention`; the rest of this paragraph is formulas, not measurements). L = N / P local tokens,
 kv = 2 * kv_heads * head_dim, q = o = q_heads * head_dim elements per token:
   ring        (P-1) L kv  forward, (P-1) L kv + P L kv (fp32 dK/dV) backward   ~ 3 N kv: O(N), whatever P

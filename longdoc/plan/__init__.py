@@ -5,17 +5,17 @@
     result.best.describe(), result.best.memory.total_gib, result.best.time.tokens_per_s
 
 Modules, each depending only on those listed before it:
-    hardware   devices, links and the efficiency assumptions (peak figures, not measurements)
-    layer_kinds  each layer's mixer and MLP kind, the MoE / Mamba2 / Gated DeltaNet / MLA / DSA shapes, from a config
-    shapes     a model's shape and exact parameter counts from its config alone (meta device, no weights)
-    autocast   what a decoder layer saves under CPU bf16 autocast (fp32 weights)
-    activations  what a Llama-style decoder layer saves per token (A), in parts
-    kinds      what a layer of another kind saves: recurrent mixers under state passing, MoE, MLA, DSA
-    memory     per-rank peak memory of one training step, term by term, phase by phase
-    timing     step time: FLOPs, bandwidth, what overlaps what
-    planner    every open (cp, dp, strategy, checkpointing), the recommendation, what to change if none fits
-    report     the text rendering of a plan
-    cli        the `longdoc plan` verb
+    hardware           devices, links and the efficiency assumptions (peak figures, not measurements)
+    layer_shapes       each layer's mixer and MLP, the MoE / Mamba2 / Gated DeltaNet / MLA / DSA shapes, from a config
+    shapes             a model's shape and exact parameter counts from its config alone (meta device, no weights)
+    autocast           what a decoder layer saves under CPU bf16 autocast (fp32 weights)
+    activations        what a Llama-style decoder layer saves per token (A), in parts
+    layer_activations  what a layer of another kind saves: recurrent mixers under state passing, MoE, MLA, DSA
+    memory             per-rank peak memory of one training step, term by term, phase by phase
+    timing             step time: FLOPs, bandwidth, what overlaps what
+    planner            every open (cp, dp, strategy, checkpointing), the recommendation, what to change if none fits
+    report             the text rendering of a plan
+    cli                the `longdoc plan` verb
 Works from formulas only and never imports the benchmarks; `longdoc.bench.calibrate` measures real runs
 against `memory.estimate`.
 """

@@ -1,6 +1,6 @@
 """A: the bytes one decoder layer saves for its backward per token (the formulas: longdoc.plan.memory's
 docstring; under CPU bf16 autocast: longdoc.plan.autocast). Layer kinds other than a Llama-style attention layer
-with a dense MLP replace some of these parts: longdoc.plan.kinds."""
+with a dense MLP replace some of these parts: longdoc.plan.layer_activations."""
 
 from __future__ import annotations
 

@@ -20,8 +20,8 @@ norms add 4(q+kv) + 4(nh+nkv) + c(q+kv); LayerNorm keeps (ch + 8) + ch per norm;
 output stays whole, + c(q+kv); Gemma / Qwen3-Next / GPT-OSS / OLMo-2 norms keep their normed x in fp32 (4h, not ch).
 LoRA (frozen base): frozen linears keep no input, see `layer_bytes_per_token`. Other layer kinds (Mamba2 and Gated
 DeltaNet mixers, MoE, MLA, DSA) replace A's attention or MLP part with their own terms per layer, A_j
-(longdoc.plan.kinds); DSA adds forward temporaries (the indexer's keys of the whole sequence, one score tile) and a
-selected-key mask tile to the attention backward.
+(longdoc.plan.layer_activations); DSA adds forward temporaries (the indexer's keys of the whole sequence, one score
+tile) and a selected-key mask tile to the attention backward.
 Shared by all layers: RoPE cos/sin 2*N*rotary_dim*c. After the last layer: final norm + the loss tokens'
 hidden states N*(4h + 4 + 3ch).
 Activation checkpointing (per decoder layer): n*N*h*c checkpoints + one layer's A*N while it is
@@ -69,7 +69,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from longdoc.parallel.selection import MASK_ELEMENTS
-from longdoc.plan import kinds, memory_notes, strategies
+from longdoc.plan import layer_activations, memory_notes, strategies
 from longdoc.plan.activations import LORA_TARGETS, layer_bytes_per_token, layer_parts_per_token  # noqa: F401
 from longdoc.plan.hardware import GIB
 from longdoc.plan.setups import CATEGORIES, MemoryEstimate, Setup, Term  # noqa: F401 - re-exported
@@ -122,7 +122,7 @@ class _Live:
     fsdp_root: list[Term]
     head_grad: Term | None  # None: nothing trains the lm_head (LoRA)
     a_tok: float  # A: bytes a Llama-style layer saves per token
-    per_layer: list[float]  # bytes each layer saves on this rank (kinds: longdoc.plan.kinds)
+    per_layer: list[float]  # bytes each layer saves on this rank (kinds: longdoc.plan.layer_activations)
     uniform: bool  # every layer is a Llama-style one (A*N)
 
     @classmethod
@@ -184,9 +184,10 @@ def _forward(s: Setup, live: _Live) -> list[Term]:
                   3 * c * t_mlp * sh.intermediate), *live.fsdp_root]
     if sh.indexer is not None:  # the indexer's keys of the whole sequence and one score tile (no_grad: not saved)
         keys = s.micro_batch * s.padded_len * sh.indexer.head_dim * c
+        tile = layer_activations.DSA_SCORE_ELEMENTS
         terms.append(Term("DSA indexer: all index keys + one score tile", "activations",
                           f"B*L*d_idx*c + 4*S_tile = {s.micro_batch}*{s.padded_len:,}*{sh.indexer.head_dim}*{c} + "
-                          f"4*{kinds.DSA_SCORE_ELEMENTS:,}", keys + 4 * kinds.DSA_SCORE_ELEMENTS))
+                          f"4*{tile:,}", keys + 4 * tile))
     if s.uses_fsdp:
         terms.append(Term("FSDP layers gathered (current + prefetched)", "fsdp_buffers",
                           f"2*P_l*f = 2*{sh.params.layer:,}*{f}", 2 * sh.params.layer * f))
@@ -262,7 +263,7 @@ def _backward_at(s: Setup, live: _Live, j: int, workspace: list[Term], grad_laye
             terms.append(Term("recomputed layer", "activations", f"A*N - alias = {live.a_tok:,.0f}*{n:,} - {alias:,}",
                               live.a_tok * n - alias))
         else:
-            terms.append(Term(f"recomputed layer ({kinds.kind_label(sh, j)})", "activations",
+            terms.append(Term(f"recomputed layer ({layer_activations.kind_label(sh, j)})", "activations",
                               f"A_{j}*N - alias = {live.per_layer[j]:,.0f} - {alias:,}", live.per_layer[j] - alias))
     terms += workspace
     above = sh.layers - 1 - j
@@ -278,30 +279,30 @@ def _backward_at(s: Setup, live: _Live, j: int, workspace: list[Term], grad_laye
 
 
 def _kinds_priced(shape) -> bool:
-    """Whether some layer is priced by longdoc.plan.kinds rather than as a Llama-style layer (A*N)."""
+    """Whether some layer is priced by longdoc.plan.layer_activations rather than as a Llama-style layer (A*N)."""
     return bool(shape.experts is not None or shape.mla is not None or shape.indexer is not None or shape.attn_gate
                 or any(shape.mixer(j) in MODELLED_MIXERS for j in range(shape.layers)))
 
 
 def layer_saved_bytes(s: Setup) -> list[float]:
     """Bytes each decoder layer saves for its backward on this rank's N tokens (A*N for a Llama-style layer;
-    other kinds: longdoc.plan.kinds)."""
+    other kinds: longdoc.plan.layer_activations)."""
     sh, c = s.shape, s.c
     args = (c, s.lora, s.lora_rank, s.lora_targets, s.dev.autocast, s.tiled_mlp)
     parts = layer_parts_per_token(sh, *args)
     if not _kinds_priced(sh):
         return [sum(parts.values()) * s.tokens] * sh.layers
-    dense = layer_parts_per_token(kinds.dense_shape(sh), *args)
-    pc = kinds.Pieces.of(s.layout, s.cp, s.padded_len, s.micro_batch)
-    return [kinds.layer_bytes(sh, j, s.tokens, pc, c, s.padded_len, parts, dense, s.tiled_mlp, s.dev.autocast)
-            for j in range(sh.layers)]
+    dense = layer_parts_per_token(layer_activations.dense_shape(sh), *args)
+    pc = layer_activations.Pieces.of(s.layout, s.cp, s.padded_len, s.micro_batch)
+    return [layer_activations.layer_bytes(sh, j, s.tokens, pc, c, s.padded_len, parts, dense, s.tiled_mlp,
+                                          s.dev.autocast) for j in range(sh.layers)]
 
 
 def _kinds_formula(shape, per_layer: list[float]) -> str:
     """'sum of A_j*N': the layers grouped by kind, bytes each."""
     groups: dict[tuple[str, float], int] = {}
     for j, b in enumerate(per_layer):
-        key = (kinds.kind_label(shape, j), round(b))
+        key = (layer_activations.kind_label(shape, j), round(b))
         groups[key] = groups.get(key, 0) + 1
     return "sum A_j*N = " + " + ".join(f"{k}*{b:,} ({label})" for (label, b), k in groups.items())
 

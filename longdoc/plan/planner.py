@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from longdoc.budgets import loss_chunk_tokens
 from longdoc.parallel import strategy as registry
 from longdoc.parallel.api import check_strategy
 from longdoc.plan.candidates import (  # noqa: F401 - Candidate, choose, TIE and strategy_label re-exported
@@ -40,6 +39,7 @@ from longdoc.plan.hardware import (
 from longdoc.plan.memory import Setup, estimate
 from longdoc.plan.shapes import ModelShape, model_shape
 from longdoc.plan.timing import estimate_time
+from longdoc.runtime.budgets import loss_chunk_tokens
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,7 +56,7 @@ class PlanRequest:
     strategy: str | None = None
     ulysses_size: int | None = None  # pin usp's Ulysses group size (None: every divisor 1 < U < cp)
     chunked_loss: bool = True
-    loss_chunk: int | None = None  # None: sized from the vocabulary, as training does (longdoc.budgets)
+    loss_chunk: int | None = None  # None: sized from the vocabulary, as training does (longdoc.runtime.budgets)
     loss_tokens: int | None = None  # labelled tokens per sequence (None: all; QA rows: the answers)
     micro_batch: int = 1
     memory_gib: float | None = None  # override the device's memory

@@ -24,7 +24,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from longdoc.plan.layer_kinds import (  # noqa: F401 - ATTENTION_LAYER_TYPES, the sub-shapes re-exported
+from longdoc.plan.layer_shapes import (  # noqa: F401 - ATTENTION_LAYER_TYPES, the sub-shapes re-exported
     ATTENTION_LAYER_TYPES,
     MODELLED_MIXERS,
     PURE_SSM,
@@ -41,7 +41,7 @@ from longdoc.plan.layer_kinds import (  # noqa: F401 - ATTENTION_LAYER_TYPES, th
     mlp_kinds,
     moe_shape,
 )
-from longdoc.resources import resource_dir
+from longdoc.runtime.resources import resource_dir
 
 CONFIG_DIR = resource_dir("configs")  # data/configs in a checkout, a bundled copy in a wheel
 
@@ -259,9 +259,3 @@ def lora_params_per_layer(shape: ModelShape, rank: int, targets: tuple[str, ...]
         raise ValueError(f"LoRA targets {unknown} are not modelled by the planner; use among {', '.join(dims)}")
     return sum(rank * (a + b) for a, b in (dims[t] for t in targets))
 
-
-def llama_formula_params(shape: ModelShape) -> int:
-    """The hand formula of the module docstring (Llama-shaped models without biases)."""
-    h, q, kv, i = shape.hidden, shape.q, shape.kv, shape.intermediate
-    per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h
-    return shape.layers * per_layer + shape.vocab * h * (1 if shape.tied else 2) + h

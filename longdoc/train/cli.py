@@ -11,7 +11,7 @@ and refuses one without any; resume=auto starts at step 0 there instead. The rec
 the model name and context and the data paths are checked here, before any rank starts (longdoc.train.preflight).
 
 Without a launcher on a machine without CUDA, a recipe with parallelism.cp_size > 1 starts its ranks itself
-(longdoc.spawn: local gloo processes, as `longdoc verify` and `eval --cp N` do); `--nproc N` starts N (dp = N /
+(longdoc.runtime.spawn: local gloo processes, as `longdoc verify` and `eval --cp N` do); `--nproc N` starts N (dp = N /
 cp_size). Under `accelerate launch` / `torchrun` every process is one rank. With CUDA and no launcher the error
 names the accelerate command to run.
 """
@@ -56,7 +56,7 @@ def _run(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(recipe.to_dict(), sort_keys=False), end="")
         return 0
-    from longdoc.launch import launched_world
+    from longdoc.runtime.launch import launched_world
     from longdoc.train.preflight import check_recipe
 
     check_recipe(recipe)  # model, context, data paths, resume: before any rank starts or any weights load
@@ -98,7 +98,7 @@ def _train_here(recipe) -> tuple[str, str]:
 def _rank(rank: int, world_size: int, recipe) -> tuple[str, str]:
     import torch
 
-    from longdoc.launch import set_launcher_env
+    from longdoc.runtime.launch import set_launcher_env
 
     # Accelerate reads the launcher's variables (the group is joined already), and warns unless OMP_NUM_THREADS is set
     set_launcher_env(rank, world_size, OMP_NUM_THREADS=str(torch.get_num_threads()))
@@ -107,7 +107,7 @@ def _rank(rank: int, world_size: int, recipe) -> tuple[str, str]:
 
 def _spawn(recipe, nproc: int) -> tuple[str, str]:
     from longdoc.errors import USER_ERRORS
-    from longdoc.spawn import run_local
+    from longdoc.runtime.spawn import run_local
 
     threads = max(1, (os.cpu_count() or 1) // nproc)
     print(f"longdoc train: no launcher: starting {nproc} local CPU processes (cp_size={recipe.parallelism.cp_size}, "

@@ -117,7 +117,7 @@ class TrainConfig:
     mixed_precision: str = "auto"  # "auto" (bf16 on GPUs and bf16-native CPUs, else none) | "no" | "bf16"
     activation_checkpointing: bool = True
     # CE over this many loss tokens at a time, so logits never exist in full; null (default): sized from the
-    # vocabulary so the chunk's fp32 buffers stay under 256 MiB (longdoc.budgets: 448 tokens at SmolLM2's 49k)
+    # vocabulary so the chunk's fp32 buffers stay under 256 MiB (longdoc.runtime.budgets: 448 tokens at SmolLM2's 49k)
     loss_chunk_tokens: Tokens | None = None
     comm_timeout: float = 600.0  # seconds any collective may wait before the run fails
     # seconds without a heartbeat from another rank before this one stops and names it (a dead node is

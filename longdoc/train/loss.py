@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from longdoc.budgets import loss_chunk_tokens
 from longdoc.hf.head import IGNORE, LogitHead, base_causal_lm, chunked_ce_sum  # noqa: F401  (re-exported)
+from longdoc.runtime.budgets import loss_chunk_tokens
 
 
 class ChunkStats:
@@ -81,7 +81,7 @@ class LossModel(nn.Module):
     def __init__(self, model: nn.Module, chunk_tokens: int | None = None):
         super().__init__()
         self.model = model  # as given (peft-wrapped or not): state dicts keep its key names
-        if chunk_tokens is None:  # sized from the vocabulary (longdoc.budgets)
+        if chunk_tokens is None:  # sized from the vocabulary (longdoc.runtime.budgets)
             head = base_causal_lm(model).get_output_embeddings()
             chunk_tokens = loss_chunk_tokens(head.weight.shape[0] if head is not None else 1)
         self.chunk_tokens = chunk_tokens

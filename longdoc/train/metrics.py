@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from accelerate.tracking import GeneralTracker
 
-from longdoc.budgets import return_freed_memory  # noqa: F401  (re-exported: the trainer's setting)
+from longdoc.runtime.budgets import return_freed_memory  # noqa: F401  (re-exported: the trainer's setting)
 
 
 class JSONLTracker(GeneralTracker):

@@ -32,9 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from longdoc.launch import launched_world
 from longdoc.parallel.groups import Groups, all_reduce, make_groups, reduce_gradients_on
 from longdoc.parallel.guard import GradCoverage, debug_collectives_from_env
+from longdoc.runtime.launch import launched_world
 from longdoc.train.config import Recipe, RecipeError
 from longdoc.train.metrics import return_freed_memory
 from longdoc.train.modeling import resolve_mixed_precision

@@ -28,7 +28,7 @@ def _fault(fault: str, rank: int, step: str, pid_dir: str) -> None:
 
 def main() -> int:
     fault, bad_rank, bad_step, pid_dir, *argv = sys.argv[1:]
-    from longdoc.launch import launched_world
+    from longdoc.runtime.launch import launched_world
 
     rank = launched_world().rank
     Path(pid_dir, f"{rank}.pid").write_text(str(os.getpid()))

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from tests.distributed import run_ranks
+from tests.support.distributed import run_ranks
 
 LOGITS_TOL, NLL_TOL = 1e-4, 1e-5
 

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from longdoc.parallel.layout import round_up
-from tests.distributed import run_ranks
-from tests.hf_cases import CASES, cp_step_errors, padded_batch, reference_step
-from tests.hf_families import LOGITS_TOL, check_model_errors
+from tests.support.distributed import run_ranks
+from tests.support.hf_cases import CASES, cp_step_errors, padded_batch, reference_step
+from tests.support.hf_families import LOGITS_TOL, check_model_errors
 
 
 def _rank_archs(rank: int, world_size: int) -> list[tuple]:

@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from tests.distributed import run_ranks
-from tests.hf_cases import pieces_reference
-from tests.hf_dsa import ACCEPTANCE, TESTED, TOPK, dsa_pair
-from tests.hf_families import check_model_errors
-from tests.small_tiles import small_tiles
+from tests.support.distributed import run_ranks
+from tests.support.hf_cases import pieces_reference
+from tests.support.hf_dsa import ACCEPTANCE, TESTED, TOPK, dsa_pair
+from tests.support.hf_families import check_model_errors
+from tests.support.small_tiles import small_tiles
 
 LENGTH, LEAD = 46, 5  # padded to 48 at cp 2 and 3; row 1 of the unpacked batch is left-padded by LEAD tokens
 DOCS = (13, 1, 9, 21)  # the packed row: a one-token document, and documents longer than TOPK

@@ -3,12 +3,13 @@ loss, logits and every gradient, plain / padded / packed rows, both layouts and 
 checkpointing, attention under ulysses (CP 2) and usp (CP 4: 2 x 2); CP sizes above the Mamba group count
 (n_groups=1, and 2 in the VARIANTS). One spawn per world size.
 
-Default suite: the acceptance families at CP 2 and 3 (every case); the rest of tests/hf_hybrids.py at CP 2
+Default suite: the acceptance families at CP 2 and 3 (every case); the rest of tests/support/hf_hybrids.py at CP 2
 (packed rows). Slow: every family, every case, at CP 2, 3 and 4, and bf16.
 
 fp32 is held to fixed bounds (TOL, largest-entry errors). bf16 is held to one process computing in bf16: CP's and
 one bf16 process's normwise errors against fp32 on the same weights, CP's at most ONE_DEVICE_RATIO x one process's
-(tests.hybrid_cases.vs_one_device), the models routing every token to every expert (tests.hf_hybrids.every_expert).
+(tests.support.hybrid_cases.vs_one_device), the models routing every token to every expert
+(tests.support.hf_hybrids.every_expert).
 A fixed bf16 bound measures the CPU's bf16 arithmetic instead: without avx512_bf16 one process alone is 0.23 off
 in logits and 0.4 in gradients (largest entry), and a router flip moved CP 0.14 / 0.3 from it.
 """
@@ -20,10 +21,10 @@ import copy
 import pytest
 import torch
 
-from tests.cp_reference import ONE_DEVICE_RATIO
-from tests.distributed import run_ranks
-from tests.hf_hybrids import HYBRIDS, VARIANTS, every_expert, hybrid_pair
-from tests.hybrid_cases import CASES, ULYSSES, USP, batch_of, compare, cp_result, reference, vs_one_device
+from tests.support.cp_reference import ONE_DEVICE_RATIO
+from tests.support.distributed import run_ranks
+from tests.support.hf_hybrids import HYBRIDS, VARIANTS, every_expert, hybrid_pair
+from tests.support.hybrid_cases import CASES, ULYSSES, USP, batch_of, compare, cp_result, reference, vs_one_device
 
 CORE = ("granitemoehybrid", "nemotron_h", "falcon_h1", "jamba", "mamba2", "lfm2")
 TOL = dict(loss=1e-5, logits=1e-4, grads=1e-4)  # fp32

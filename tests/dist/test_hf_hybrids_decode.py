@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import run_ranks
-from tests.hf_cases import greedy_reference, session_tokens
-from tests.hf_hybrids import hybrid_pair
+from tests.support.distributed import run_ranks
+from tests.support.hf_cases import greedy_reference, session_tokens
+from tests.support.hf_hybrids import hybrid_pair
 
 ARCHS = ("mamba2", "granitemoehybrid", "falcon_h1", "nemotron_h", "jamba", "zamba", "lfm2", "lfm3", "zaya")
 NEW = 8

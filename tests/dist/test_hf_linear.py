@@ -13,12 +13,21 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import run_ranks
-from tests.hf_cases import LEAD, LENGTH, cp_step, packed_case, pieces_reference, rows_of, session_tokens, unpacked_case
-from tests.hf_hybrids_linear import FAMILIES, float64_delta_rule, linear_pair
+from tests.support.distributed import run_ranks
+from tests.support.hf_cases import (
+    LEAD,
+    LENGTH,
+    cp_step,
+    packed_case,
+    pieces_reference,
+    rows_of,
+    session_tokens,
+    unpacked_case,
+)
+from tests.support.hf_hybrids_linear import FAMILIES, float64_delta_rule, linear_pair
 
-# Batches from tests.hf_cases: rows of LENGTH tokens, one left-padded by LEAD, and a packed row of DOCS (a one-token
-# document, shorter than the conv kernel, and documents crossing chunks).
+# Batches from tests.support.hf_cases: rows of LENGTH tokens, one left-padded by LEAD, and a packed row of DOCS (a
+# one-token document, shorter than the conv kernel, and documents crossing chunks).
 # logits (max abs), loss (rel), grads (max abs error / max abs, per parameter), all grads (rel L2 norm)
 # float64: the attention layers' CP softmax merges in fp32 (docs/design.md), so 1e-7-level agreement, not 1e-15.
 # bfloat16: errors against the fp32 reference as RATIOS to one bf16 process's own errors against it (a bf16 run of
@@ -28,7 +37,7 @@ TOL = {torch.float64: (1e-5, 1e-6, 1e-4, 1e-6), torch.float32: (1e-4, 1e-5, 1e-4
 # The delta-rule chunk kernels compute in fp32 whatever the model's dtype, from cumulative log decays: the decay
 # gates' own (small, cancelling) gradients move by up to 2.6e-4 relative in ONE process when only the kernel's
 # chunk size changes (Qwen4-exp, 64 vs 8). So the delta families are compared in float64 with the kernel swapped
-# for its float64 definition (tests.hf_hybrids_linear.float64_delta_rule: CP == one process to the attention
+# for its float64 definition (tests.support.hf_hybrids_linear.float64_delta_rule: CP == one process to the attention
 # core's fp32 merge); the "fp32 kernel" cases run transformers' own kernel, with a per-parameter bound at its spread.
 DELTA_GRAD_TOL = 1e-3
 # ...and tightly, as ratios: CP with transformers' fp32 kernel against the float64 definition, over one process with
@@ -45,8 +54,8 @@ CORE = ("qwen3_next", "kimi_linear", "minimax", "recurrent_gemma", "rwkv", "xlst
 
 
 def _errors(model, cp, batch, want_logits, real, ref_loss, ref_grads):
-    """As tests.hf_cases.cp_pattern_errors, but in fp32 (loss and grads summed and compared there), the loss error
-    relative, and a 4th error: all grads together (relative L2 norm)."""
+    """As tests.support.hf_cases.cp_pattern_errors, but in fp32 (loss and grads summed and compared there), the loss
+    error relative, and a 4th error: all grads together (relative L2 norm)."""
     out, _, loss = cp_step(model, cp, batch, loss_dtype=torch.float32)
     grad_err, diff2, ref2 = 0.0, 0.0, 0.0
     for n, p in model.named_parameters():

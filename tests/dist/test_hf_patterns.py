@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import run_ranks
-from tests.hf_cases import LEAD, LENGTH, NEW, PROMPT, greedy_reference, packed_errors, rows_of, unpacked_errors
-from tests.hf_families import CORE_FAMILIES, FAMILIES, check_model_errors, family_pair
+from tests.support.distributed import run_ranks
+from tests.support.hf_cases import LEAD, LENGTH, NEW, PROMPT, greedy_reference, packed_errors, rows_of, unpacked_errors
+from tests.support.hf_families import CORE_FAMILIES, FAMILIES, check_model_errors, family_pair
 
 
 def _rank_families(rank: int, world_size: int, archs: tuple[str, ...]) -> list[tuple]:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from tests.distributed import run_ranks
+from tests.support.distributed import run_ranks
 
 LENGTH, PAD = 23, 6  # row 1 is right-padded by PAD tokens; 23 is not a multiple of cp.multiple
 DOCS = (9, 1, 13)
@@ -38,11 +38,11 @@ HYBRID_ARCHS = ("jamba", "granitemoehybrid", "qwen3_next")
 def _config(arch: str):
     router = dict(output_router_logits=True, router_aux_loss_coef=0.7)
     if arch == "qwen3_next":
-        from tests.hf_hybrids_linear import linear_config
+        from tests.support.hf_hybrids_linear import linear_config
 
         return linear_config(arch, **router)
     if arch in HYBRID_ARCHS:
-        from tests.hf_hybrids import hybrid_config
+        from tests.support.hf_hybrids import hybrid_config
 
         return hybrid_config(arch, **router)
     return AutoConfig.for_model(arch, **{k: v for k, v in _TINY.items()})
@@ -175,8 +175,9 @@ def test_router_aux_loss_dp2_cp2():
 
 def _train_rank(rank: int, world_size: int, recipe: dict, overrides: list[str], pin: list | None = None):
     """(history, each step's gradients, the logged aux losses, the parameters after each step); pin: see
-    tests/training.py train_pinned (the CP runs take each step's gradients at the one-process run's parameters)."""
-    from tests.training import train_pinned
+    tests/support/training.py train_pinned (the CP runs take each step's gradients at the one-process run's
+    parameters)."""
+    from tests.support.training import train_pinned
 
     hist, grads, params = train_pinned(rank, world_size, recipe, overrides, pin)
     import json
@@ -187,14 +188,14 @@ def _train_rank(rank: int, world_size: int, recipe: dict, overrides: list[str], 
 
 
 def _recipe(tmp_path, name: str, coef: float) -> dict:
-    from tests.training import tiny_recipe
+    from tests.support.training import tiny_recipe
 
     return tiny_recipe(tmp_path / name, model={"name": "tiny:mixtral", "overrides": {"vocab_size": 256}},
                        train={"router_aux_loss_coef": coef})
 
 
 def _compare_train(tmp_path, runs) -> None:
-    from tests.training import max_rel_err, ranks
+    from tests.support.training import max_rel_err, ranks
 
     ref_hist, ref_grads, ref_aux, pin = ranks(1, _train_rank, _recipe(tmp_path, "single", 0.3), [], deadline=300)[0]
     assert all(a is not None and a > 0 for a in ref_aux)

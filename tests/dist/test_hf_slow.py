@@ -18,7 +18,7 @@ import re
 import pytest
 import torch
 
-from tests.distributed import run_ranks
+from tests.support.distributed import run_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,8 @@ import importlib.util
 
 import pytest
 
-from tests.distributed import run_ranks
-from tests.trainer_cases import launcher_env, run_trainer
+from tests.support.distributed import run_ranks
+from tests.support.trainer_cases import launcher_env, run_trainer
 
 REL = 1e-5
 
@@ -156,7 +156,7 @@ def _smollm_lora(rank: int | None, world_size: int, out: str) -> list[tuple[int,
 
     from longdoc import models
     from longdoc.hf.trainer import CPTrainer
-    from tests.trainer_cases import collate, rows
+    from tests.support.trainer_cases import collate, rows
 
     if rank is not None:
         launcher_env(rank, world_size)

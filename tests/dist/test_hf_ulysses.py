@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from tests.distributed import run_ranks
-from tests.hf_cases import (
+from tests.support.distributed import run_ranks
+from tests.support.hf_cases import (
     CASES,
     NEW,
     PROMPT,
@@ -20,7 +20,7 @@ from tests.hf_cases import (
     reference_step,
     unpacked_errors,
 )
-from tests.hf_families import CORE_FAMILIES, check_model_errors, family_pair
+from tests.support.hf_families import CORE_FAMILIES, check_model_errors, family_pair
 
 
 def _grids(world_size: int) -> list[tuple[str, int | None, tuple[str, ...], tuple[str, ...]]]:

@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("lm_eval")
 
-from tests.distributed import run_ranks  # noqa: E402
+from tests.support.distributed import run_ranks  # noqa: E402
 
 TASKS = ["ld_mc", "ld_ll", "ld_ppl", "ld_gen"]
 MAX_LENGTH = 384  # every request fits (longdoc refuses, never cuts); the long texts need several rolling windows

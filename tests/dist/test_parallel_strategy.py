@@ -19,8 +19,8 @@ from longdoc.parallel.strategy import LayerComm, Strategy, Traffic
 from longdoc.parallel.traffic import bytes_sent
 from longdoc.plan import strategies
 from longdoc.plan.planner import PlanRequest, plan
-from tests.cp_reference import cases, check_cases, run_case
-from tests.distributed import run_ranks
+from tests.support.cp_reference import cases, check_cases, run_case
+from tests.support.distributed import run_ranks
 
 BUILT_IN = ("ring", "allgather", "ulysses", "usp")
 

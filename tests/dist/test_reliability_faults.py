@@ -3,7 +3,7 @@
 The runs go through `accelerate launch` exactly as the docs show (recipes/accelerate/cpu-2proc.yaml),
 with the fault injected by tests/dist/reliability_launch.py. Related tests elsewhere:
 tests/dist/test_train_resume.py (kill at the checkpoint rename, exact resume),
-tests/unit/test_train_checkpoint.py (damaged files name the file), tests/dist/test_attention.py
+tests/unit/test_train_checkpoint.py (damaged files name the file), tests/dist/test_parallel_attention.py
 (a rank that never calls: error within 60 s).
 """
 
@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 import longdoc
-from tests.distributed import run_ranks
+from tests.support.distributed import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 ACCELERATE = Path(sys.executable).with_name("accelerate")

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import run_ranks
-from tests.training import accelerate_env, tiny_recipe, train_with_nan_at
+from tests.support.distributed import run_ranks
+from tests.support.training import accelerate_env, tiny_recipe, train_with_nan_at
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ["model.name=tiny:llama", "model.overrides.vocab_size=256", "data.path=random", "data.seq_len=64",

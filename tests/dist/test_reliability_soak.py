@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from tests.distributed import run_ranks
-from tests.training import accelerate_env, tiny_recipe
+from tests.support.distributed import run_ranks
+from tests.support.training import accelerate_env, tiny_recipe
 
 STEPS = 200
 

@@ -1,13 +1,13 @@
 """Training with dp x cp on gloo ranks equals single-process training: the same logged losses, token counts and
 gradient norms on every rank, the same reduced gradients, and the same final weights. Steps after the first are
-compared at identical parameters (the runs pinned to the one-process run's: tests/training.py train_pinned)."""
+compared at identical parameters (the runs pinned to the one-process run's: tests/support/training.py train_pinned)."""
 
 from __future__ import annotations
 
 import pytest
 from safetensors.torch import load_file
 
-from tests.training import max_rel_err, ranks, tiny_recipe, train_on_ranks, train_pinned
+from tests.support.training import max_rel_err, ranks, tiny_recipe, train_on_ranks, train_pinned
 
 
 def test_dp_cp_equals_single_process(tmp_path):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.training import ranks, tiny_recipe, train_on_ranks
+from tests.support.training import ranks, tiny_recipe, train_on_ranks
 
 # bf16 has an 8-bit mantissa (relative rounding 2^-9 = 2e-3). cp=2 changes the order of the attention merge
 # and of the gradient sums, each rounding in bf16 under autocast: losses agree to ~1e-3 relative, gradient

@@ -7,7 +7,7 @@ gradient bucket on the shared world group (a gloo abort). The older training tes
 one bucket filled at the very end, and never saw it.
 
 Each world size is spawned once and loops over the cases; every run has LONGDOC_DEBUG_COLLECTIVES=1 (set by
-tests.training.accelerate_env), so every collective longdoc issues is checked across its group, and each run
+tests.support.training.accelerate_env), so every collective longdoc issues is checked across its group, and each run
 asserts the guard really counted DDP buckets and CP ops. Every logged loss and gradient norm, the token counts
 and the exported weights are compared with one process.
 """
@@ -18,7 +18,7 @@ import json
 
 from safetensors.torch import load_file
 
-from tests.training import max_rel_err, ranks, tiny_recipe, train_cases
+from tests.support.training import max_rel_err, ranks, tiny_recipe, train_cases
 
 SEQ = 96  # 4 zigzag chunks of 24 at cp=2: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
 VOCAB = 49152  # the default tokenizer's: tiny:llama without a vocab override
@@ -131,7 +131,7 @@ def test_the_data_leaves_cp_rank_1_without_loss_tokens(tmp_path):
     from longdoc.parallel.batch import shard_batch
     from longdoc.train.config import DataConfig
     from longdoc.train.data import collate, load_sequences
-    from tests.fake_cp import FakeCP
+    from tests.support.fake_cp import FakeCP
 
     for packed in (False, True):
         path = _answer_only_rows(tmp_path / f"rows-{packed}.jsonl", packed)

@@ -1,8 +1,8 @@
 """`data.task: chat` trains at cp=2 exactly as one process. Fast: raw conversations through `longdoc train`'s
 data path, a long document in a user turn (cut to data.seq_len, the answer kept) among packed short conversations
 (ShareGPT and OpenAI style), the loss on the assistant turns, a held-out chat loss every step: each step's loss,
-loss-token count, grad norm and the reduced gradient of every parameter equal one process's, the cp=2 run pinned to
-the one-process run's parameters after each step (tests/training.py: train_pinned), so step k's gradients are taken
+loss-token count, grad norm and the reduced gradient of every parameter equal one process's, the cp=2 run pinned to the
+one-process run's parameters after each step (tests/support/training.py: train_pinned), so step k's gradients are taken
 at identical parameters. Slow (`make test-slow`): the all-token loss with right truncation likewise, CPTrainer on
 prepared chat rows (float64 tiny model, logged losses, grad norms and final weights), and `eval chat-loss`."""
 
@@ -13,8 +13,8 @@ import json
 import pytest
 import torch
 
-from tests.chat_cases import chat_cases
-from tests.training import assert_steps_equal, max_rel_err, ranks, tiny_recipe, train_pinned
+from tests.support.chat_cases import chat_cases
+from tests.support.training import assert_steps_equal, max_rel_err, ranks, tiny_recipe, train_pinned
 
 REL = 1e-5
 DOC = " ".join(f"Clause {i}: the tenant shall pay rent on day {i % 28 + 1}, late fees {i} percent." for i in range(60))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.training import accelerate_env, ranks, tiny_recipe
+from tests.support.training import accelerate_env, ranks, tiny_recipe
 
 
 def _train(rank: int, world_size: int, recipe: dict, overrides: list[str]):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.training import accelerate_env, ranks, tiny_recipe, train_with_nan_at
+from tests.support.training import accelerate_env, ranks, tiny_recipe, train_with_nan_at
 
 
 def test_nonfinite_step_is_skipped_on_every_rank_or_aborts(tmp_path):

@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 from safetensors.torch import load_file
 
-from tests.offload_tiled_cases import rel_err
-from tests.training import max_rel_err, ranks, tiny_recipe, train_on_ranks
+from tests.support.offload_tiled_cases import rel_err
+from tests.support.training import max_rel_err, ranks, tiny_recipe, train_on_ranks
 
 # Per world size: (cp_size, strategy, the variants each compared with DDP at that cp and strategy). cp=1 is dp2 (one
 # rank per CP group: ring and ulysses are the same path there). The last variant runs FSDP with the other memory
@@ -69,8 +69,8 @@ def test_fsdp_on_cpu_equals_ddp(tmp_path, world_size):
 
 def _ddp_then_variants(rank: int, world_size: int, recipe: dict, cases: list) -> list[dict]:
     """Per (cp_size, strategy, variants): train with DDP, then each variant (FSDP, and the features named after it)
-    with its parameters set to the DDP run's after each step but the last (tests.training.train_pinned), so every
-    step's gradients are taken at the same weights. Per variant its errors against DDP: loss and grad norm
+    with its parameters set to the DDP run's after each step but the last (tests.support.training.train_pinned), so
+    every step's gradients are taken at the same weights. Per variant its errors against DDP: loss and grad norm
     (relative), reduced gradients and trained weights (normwise relative, the worst tensor of any step); how it
     sharded; how many checkpoints it offloaded and MLP tiles it ran."""
     import torch
@@ -79,7 +79,7 @@ def _ddp_then_variants(rank: int, world_size: int, recipe: dict, cases: list) ->
 
     from longdoc.hf import tiled_mlp
     from longdoc.hf.offload import CheckpointOffloader
-    from tests.training import accelerate_env, train_pinned
+    from tests.support.training import accelerate_env, train_pinned
 
     accelerate_env(rank, world_size)
     # Accelerator.end_training destroys the process group; the next run needs it (run_ranks tears it down)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed import run_ranks
-from tests.training import accelerate_env
+from tests.support.distributed import run_ranks
+from tests.support.training import accelerate_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(4 * 3600)]
 

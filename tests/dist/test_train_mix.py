@@ -4,16 +4,16 @@ at cp=2 and at dp=2 as in one process, also with the document loss and KL at dra
 (context_positions: drawn on the full row before sharding); and a mix resumes exactly.
 
 Steps after the first are compared at identical parameters: the CP and DP runs are pinned to the one-process run's
-parameters after each step (tests/training.py: train_pinned), so their step-k gradients differ from one process's
-only by what step k computes, with Adam's default-sized eps (tiny_recipe: 1e-6)."""
+parameters after each step (tests/support/training.py: train_pinned), so their step-k gradients differ from one
+process's only by what step k computes, with Adam's default-sized eps (tiny_recipe: 1e-6)."""
 
 from __future__ import annotations
 
 import pytest
 from safetensors.torch import load_file
 
-from tests.mix_data import mix_recipe, train_stopped_at, write_mix_inputs
-from tests.training import max_rel_err, ranks, train_on_ranks, train_pinned
+from tests.support.mix_data import mix_recipe, train_stopped_at, write_mix_inputs
+from tests.support.training import max_rel_err, ranks, train_on_ranks, train_pinned
 
 
 def _compare(ref, runs, label, ref_grads):

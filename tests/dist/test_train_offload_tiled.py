@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed import run_ranks
-from tests.offload_tiled_cases import ARCHS, TILE, batch, rel_err, step, tiny
+from tests.support.distributed import run_ranks
+from tests.support.offload_tiled_cases import ARCHS, TILE, batch, rel_err, step, tiny
 
 STRATEGIES = ("ring", "ulysses")
 
@@ -71,7 +71,7 @@ def test_offload_and_tiled_mlp_exact_under_cp(world_size):
 def test_train_loop_with_offload_and_tiled_mlp_cp2(tmp_path):
     """The recipe keys through `longdoc train` (Accelerate, DDP, chunked loss) at cp=2: offload leaves every logged
     loss and gradient norm bitwise unchanged; tiled MLPs (12-token tiles of 48 local tokens) within 1e-6."""
-    from tests.training import ranks, tiny_recipe, train_cases
+    from tests.support.training import ranks, tiny_recipe, train_cases
 
     train = {"steps": 2, "activation_checkpointing": True}
     recipes = {

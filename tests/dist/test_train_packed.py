@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from safetensors.torch import load_file
 
-from tests.training import max_rel_err, ranks, tiny_recipe, train_on_ranks
+from tests.support.training import max_rel_err, ranks, tiny_recipe, train_on_ranks
 
 DOC_LENS = [(40, 1, 33, 22), (96,), (7, 60, 29), (50, 46)]  # rows of 96 tokens, one of them a single document
 

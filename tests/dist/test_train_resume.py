@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.training import accelerate_env, ranks, tiny_recipe
+from tests.support.training import accelerate_env, ranks, tiny_recipe
 
 
 def train_until_killed(rank: int, world_size: int, recipe: dict, overrides: list[str], kill_at: str, pids: str):

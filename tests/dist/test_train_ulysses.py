@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from safetensors.torch import load_file
 
-from tests.training import max_rel_err, ranks, tiny_recipe, train_on_ranks
+from tests.support.training import max_rel_err, ranks, tiny_recipe, train_on_ranks
 
 RUNS = {
     "ulysses-cp2": (2, ["parallelism.cp_size=2", "parallelism.strategy=ulysses"]),

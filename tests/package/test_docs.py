@@ -60,7 +60,7 @@ def test_models_page_lists_every_tested_family():
 
     docgen = _docgen()
     page = docgen.models()
-    from longdoc import zoo
+    from longdoc.models import zoo
 
     for name in [*zoo.PLAIN, *zoo.PATTERNED]:
         assert f"`{name}`" in page or f"`tiny:{name}`" in page, name
@@ -72,7 +72,7 @@ def test_models_page_lists_every_tested_family():
     for path, rows, _ in listed:
         # the ast reader agrees with the imported list (a dict built another way would be missed silently);
         # TESTED, where a module has it, is the families it runs (aliases added for the survey are left out)
-        mod = importlib.import_module(f"tests.{path.stem}")
+        mod = importlib.import_module(f"tests.support.{path.stem}")
         imported = next(getattr(mod, n) for n in docgen.LIST_NAMES if getattr(mod, n, None))
         expected = set(getattr(mod, "TESTED", imported))
         assert expected <= {k for k, _ in rows}, (path.name, expected - {k for k, _ in rows})

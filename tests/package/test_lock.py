@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from longdoc import lockfile
+from tools import lockfile
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 import longdoc
-from longdoc.resources import CHECKOUT_PATHS
+from longdoc.runtime.resources import CHECKOUT_PATHS
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCH_SPEC = os.environ.get("LONGDOC_TEST_TORCH_SPEC", "torch==2.13.0")  # the Makefile's pin (CPU wheel here)
@@ -36,7 +36,7 @@ SMOKE = """
 import longdoc, longdoc.hf, longdoc.parallel.api
 from longdoc import ContextParallel, attention, patch
 from longdoc.hf import CPTrainer, CPTrainerMixin, KVSession, UnsupportedFeatureError, generate, shard_batch
-from longdoc.resources import resource_dir
+from longdoc.runtime.resources import resource_dir
 from longdoc.corpus.synth.text import load_data
 from longdoc.plan.shapes import model_shape
 assert patch is longdoc.hf.patch
@@ -86,7 +86,7 @@ def test_build_makes_an_sdist_and_a_wheel_that_carry_the_run_time_files(built):
     with tarfile.open(built["sdist"]) as t:
         members = {m.name.split("/", 1)[1] for m in t.getmembers() if "/" in m.name}
     for needed in ("pyproject.toml", "README.md", "CHANGELOG.md", "longdoc/__init__.py", "data/synth/legal/vocab.json",
-                   "recipes/cpu-demo.yaml", "tests/hf_families.py"):
+                   "recipes/cpu-demo.yaml", "tests/support/hf_families.py"):
         assert needed in members, needed
 
 

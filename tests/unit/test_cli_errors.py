@@ -105,7 +105,7 @@ def test_exit_codes_are_in_the_help(inputs):
         assert "2 bad input, one line on stderr" in out and "3 an internal error" in out, argv
     verify_help = " ".join(_cli("verify", "--help", cwd=inputs).stdout.split())
     assert "1 the run's own negative verdict (verify: FAIL" in verify_help
-    from longdoc import zoo
+    from longdoc.models import zoo
 
     for name in zoo.NAMES:  # tiny names come from the registry
         assert name in verify_help

@@ -9,7 +9,7 @@ import pytest
 
 from longdoc.corpus import documents
 from longdoc.corpus.ingest import CorpusError, Skips, read_documents
-from tests.document_files import (
+from tests.support.document_files import (
     CONTRACT_PAGES,
     CONTRACT_TEXT,
     DOCX_BLOCKS,

@@ -91,10 +91,10 @@ def test_cli_compare_two_models_with_cp2(runs, tmp_path):
 def test_model_and_lengths_are_checked_before_any_rank_starts(monkeypatch, tmp_path):
     """A mistyped model or a length past the model's context used to surface inside the spawned ranks, after they
     started and loaded the model (19-44 s at cp=2); the parent finds it from the model's config alone."""
-    import longdoc.spawn
+    import longdoc.runtime.spawn
     from longdoc.train.config import RecipeError
 
-    monkeypatch.setattr(longdoc.spawn, "run_local", lambda *a, **k: pytest.fail("the ranks started"))
+    monkeypatch.setattr(longdoc.runtime.spawn, "run_local", lambda *a, **k: pytest.fail("the ranks started"))
     with pytest.raises(ValueError, match="unknown tiny architecture 'lama'"):
         main(["eval", "needle", "--model", "tiny:lama", "--lengths", "256", "--cp", "2"])
     with pytest.raises(FileNotFoundError, match="no such model folder or file"):

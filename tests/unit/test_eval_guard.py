@@ -187,9 +187,9 @@ def bad(tmp_path_factory) -> dict[str, Path]:
     ("short", "./no-such-model", "no such model folder or file"),
 ])
 def test_bad_input_is_one_line_and_exit_2_before_any_rank(bad, case, model, says, monkeypatch, capsys):
-    import longdoc.spawn
+    import longdoc.runtime.spawn
 
-    monkeypatch.setattr(longdoc.spawn, "run_local", lambda *a, **k: pytest.fail("the ranks started"))
+    monkeypatch.setattr(longdoc.runtime.spawn, "run_local", lambda *a, **k: pytest.fail("the ranks started"))
     lines = []
     for cp in ("1", "2"):
         rc = main(["eval", "guard", model, "tiny:llama", "--text", str(bad[case]), *FAST, "--cp", cp], catch=True)

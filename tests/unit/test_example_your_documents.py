@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.document_files import CONTRACT_TEXT, mixed_folder
+from tests.support.document_files import CONTRACT_TEXT, mixed_folder
 
 ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "guides" / "your-documents.md"

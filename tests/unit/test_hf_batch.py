@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import longdoc
 from longdoc.hf import shard_batch, shift_labels
 from longdoc.parallel import layout
-from tests.fake_cp import FakeCP, loss_share
+from tests.support.fake_cp import FakeCP, loss_share
 
 
 @pytest.mark.parametrize("size,layout_name", [(1, "zigzag"), (2, "zigzag"), (4, "zigzag"), (3, "contiguous")])

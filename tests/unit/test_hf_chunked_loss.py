@@ -103,7 +103,7 @@ def test_cptrainer_trains_with_the_chunked_loss_by_default(tmp_path):
     from transformers import TrainingArguments
 
     from longdoc.hf.trainer import CPTrainer
-    from tests.trainer_cases import collate, rows
+    from tests.support.trainer_cases import collate, rows
 
     model, _ = _patched(torch.float32, vocab_size=256)
     from longdoc.hf import unpatch

@@ -10,8 +10,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import longdoc
 from longdoc.hf import UnsupportedFeatureError, kinds, patch
-from tests.hf_dsa import TESTED, TOPK, dsa_pair
-from tests.hf_families import GRAD_TOL
+from tests.support.hf_dsa import TESTED, TOPK, dsa_pair
+from tests.support.hf_families import GRAD_TOL
 
 
 @pytest.fixture
@@ -76,7 +76,7 @@ def test_deepseek_v4_compressed_attention_is_refused_by_name(cp, layer_type, nam
 def test_pooled_indexers_are_refused_by_name(cp, arch, what):
     from transformers import AutoModelForImageTextToText
 
-    from tests.hf_dsa import _COMMON
+    from tests.support.hf_dsa import _COMMON
 
     text = dict(_COMMON, qk_rope_head_dim=0, layer_types=["full_attention"] * 3, pad_token_id=0, index_kpool=4,
                 indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=8, indexer_compress_ratio=2)

@@ -153,7 +153,7 @@ def test_checksum_sees_every_change():
 def test_decoding_honours_windows_sinks_and_softcap(cp, arch):
     """Prompt + new tokens cross the 7-token window: every decoded token sees only its window on the
     sliding layers (sinks / soft-capping apply), exactly as transformers' own cached decoding."""
-    from tests.hf_families import family_pair
+    from tests.support.hf_families import family_pair
 
     ref, model = family_pair(arch, dtype=torch.float64)
     ids = _ids(12)
@@ -185,7 +185,7 @@ def test_left_padded_prompts_generate_like_transformers(cp):
 
 def test_left_padded_prompts_with_a_window_decode_as_alone(cp):
     # (transformers' own eager Gemma 3 turns a left-padded row into NaN, so each prompt alone is the reference)
-    from tests.hf_families import family_pair
+    from tests.support.hf_families import family_pair
 
     ref, model = family_pair("gemma3_text", dtype=torch.float64)
     ids = _ids(14, bsz=2)

@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import longdoc
 from longdoc.hf import UnsupportedFeatureError, kinds, patch
-from tests.hf_hybrids_linear import FAMILIES, linear_config, linear_model, linear_pair
+from tests.support.hf_hybrids_linear import FAMILIES, linear_config, linear_model, linear_pair
 
 EXPECTED = {"qwen3_next": "gated_deltanet", "qwen3_5_text": "gated_deltanet", "qwen3_5_moe_text": "gated_deltanet",
             "olmo_hybrid": "gated_deltanet", "lara_mini": "gated_deltanet", "qwen4_exp_text": "gated_deltanet",

@@ -12,7 +12,7 @@ import torch
 import longdoc
 from longdoc.hf import UnsupportedFeatureError, kinds, patch, recurrent
 from longdoc.hf.kinds import mamba, mamba2, shortconv
-from tests.hf_hybrids import HYBRIDS, hybrid_config, hybrid_pair
+from tests.support.hf_hybrids import HYBRIDS, hybrid_config, hybrid_pair
 
 
 @pytest.mark.parametrize("arch", list(HYBRIDS))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from longdoc.hf.trainer import CPTrainer, CPTrainerMixin, check_cp_size
-from tests.trainer_cases import collate, rows, sft_rows, word_tokenizer
+from tests.support.trainer_cases import collate, rows, sft_rows, word_tokenizer
 
 
 def _args(tmp_path, **kw):

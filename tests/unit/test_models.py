@@ -97,6 +97,17 @@ def test_unknown_arch_lists_the_valid_ones():
 # atomic build
 
 
+def test_the_tiny_names_load_without_transformers():
+    """--help lists the tiny names from longdoc.models.zoo: the package imports its loaders on first use only."""
+    import subprocess
+    import sys
+
+    code = ("import sys, longdoc.models.zoo as z; from longdoc.models import zoo; "
+            "assert z.NAMES and 'transformers' not in sys.modules, 'transformers imported'")
+    root = str(Path(__file__).resolve().parents[2])
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": root})
+
+
 def _writer(content: str, calls: list[str] | None = None, delay: float = 0.0):
     def build(tmp: Path) -> None:
         if calls is not None:

@@ -11,12 +11,19 @@ from longdoc import models
 from longdoc.plan.hardware import GIB
 from longdoc.plan.memory import Setup, estimate, layer_bytes_per_token
 from longdoc.plan.planner import PlanRequest, longest_fitting, plan
-from longdoc.plan.shapes import llama_formula_params, model_shape, shape_from_config
+from longdoc.plan.shapes import ModelShape, model_shape, shape_from_config
 from longdoc.plan.timing import estimate_time
-from tests.saved_tensors import SMALL, saved_bytes_per_token
+from tests.support.saved_tensors import SMALL, saved_bytes_per_token
 
 PUBLISHED = {"Llama-3.1-8B": 8_030_261_248, "Llama-3.1-70B": 70_553_706_496, "Qwen2.5-7B": 7_615_616_512,
              "SmolLM2-135M": 134_515_008}
+
+
+def llama_formula_params(shape: ModelShape) -> int:
+    """The hand formula of longdoc.plan.shapes' docstring (Llama-shaped models without biases)."""
+    h, q, kv, i = shape.hidden, shape.q, shape.kv, shape.intermediate
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h
+    return shape.layers * per_layer + shape.vocab * h * (1 if shape.tied else 2) + h
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))

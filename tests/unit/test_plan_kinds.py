@@ -1,5 +1,5 @@
-"""The planner's layer kinds (longdoc/plan/kinds.py): Mamba2 and Gated DeltaNet hybrids under state passing, MoE
-experts, MLA and DSA, against what the models save, and the `--mlp-tile` flag.
+"""The planner's layer kinds (longdoc/plan/layer_activations.py, layer_shapes.py): Mamba2 and Gated DeltaNet hybrids
+under state passing, MoE experts, MLA and DSA, against what the models save, and the `--mlp-tile` flag.
 
 The bench (docs/bench/kinds-2026-12-06.json) measured one step of each kind's tiny model at 8k tokens, fp32, no
 checkpointing, at cp=1 and cp=2; here the planner prices the same configs (longdoc.bench.kinds_memory.config), and
@@ -18,7 +18,7 @@ import torch
 import longdoc
 from longdoc import models
 from longdoc.bench import kinds_memory
-from longdoc.plan import kinds
+from longdoc.plan import layer_activations
 from longdoc.plan.memory import Setup, estimate, layer_saved_bytes, saved_for_backward
 from longdoc.plan.planner import PlanRequest, plan
 from longdoc.plan.shapes import model_shape, shape_from_config
@@ -151,7 +151,7 @@ def test_dsa_constants_are_the_code_paths():
     from longdoc.hf.kinds import dsa
     from longdoc.parallel.selection import MASK_ELEMENTS
 
-    assert kinds.DSA_SCORE_ELEMENTS == dsa.SCORE_ELEMENTS
+    assert layer_activations.DSA_SCORE_ELEMENTS == dsa.SCORE_ELEMENTS
     shape = model_shape("tiny:deepseek_v32")
     s = dict(seq_len=8192, cp=2, device="cpu", precision="fp32", checkpointing=False)
     fwd = {t.label: t.bytes for t in estimate(Setup(shape=shape, **s)).phases["forward"]}

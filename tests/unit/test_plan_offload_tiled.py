@@ -16,7 +16,7 @@ from longdoc.plan.memory import Setup, estimate, layer_bytes_per_token
 from longdoc.plan.planner import PlanRequest, longest_fitting, plan
 from longdoc.plan.shapes import model_shape, shape_from_config
 from longdoc.plan.timing import estimate_time
-from tests.saved_tensors import SMALL, saved_bytes_per_token
+from tests.support.saved_tensors import SMALL, saved_bytes_per_token
 
 
 def _tiled(arch: str):

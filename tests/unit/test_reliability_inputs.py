@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import longdoc
+import longdoc.hf
 from longdoc import models
 from longdoc.train.config import RecipeError, recipe_from_dict
 from longdoc.train.world import check_launch
-from tests.fake_cp import FakeCP, loss_share
+from tests.support.fake_cp import FakeCP, loss_share
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,6 +17,8 @@ REGISTRY_NAMES = {"AttentionInterface", "AttentionMaskInterface", "_global_mappi
 
 # layer -> the longdoc packages it must never import (docs/design.md: each layer depends only on those above it)
 FORBIDDEN = {
+    "longdoc.runtime": ("longdoc.parallel", "longdoc.hf", "longdoc.models", "longdoc.corpus", "longdoc.train",
+                        "longdoc.eval", "longdoc.lmeval", "longdoc.plan", "longdoc.bench"),
     "longdoc.hf": ("longdoc.train", "longdoc.eval", "longdoc.bench", "longdoc.corpus", "longdoc.plan"),
     "longdoc.corpus": ("longdoc.train", "longdoc.eval", "longdoc.bench"),
 }
@@ -171,12 +173,15 @@ def _describe(cycle: list[str]) -> str:
 
 def test_resolver_sees_the_package_and_its_imports():
     g = graph()
-    assert {"longdoc", "longdoc.parallel", "longdoc.parallel.layout", "longdoc.spawn"} <= set(g)
+    assert {"longdoc", "longdoc.parallel", "longdoc.parallel.layout", "longdoc.runtime",
+            "longdoc.runtime.spawn"} <= set(g)
     assert len(g) > 40
     # `from longdoc.parallel import layout as layouts` (top level) names the submodule, not the package
     assert "longdoc.parallel.layout" in g["longdoc.parallel.api"]
     # `from longdoc.parallel.api import ContextParallel` inside start() counts (an import in a function)
     assert "longdoc.parallel.api" in g["longdoc.train.world"]
+    # `from longdoc.runtime.launch import launched_world` runs longdoc/runtime/__init__.py first
+    assert {"longdoc.runtime", "longdoc.runtime.launch"} <= set(g["longdoc.train.world"])
 
 
 def test_resolver_adds_the_parent_packages_python_runs_first():
@@ -272,8 +277,9 @@ def test_attention_registry_is_touched_in_one_module():
 
 
 def test_no_test_module_imports_another_test_module():
-    """Shared test helpers live in plain modules (tests/distributed.py, tests/training.py, tests/fake_cp.py...):
-    importing a test module runs its collection side effects and couples unrelated tests."""
+    """Shared test helpers live in plain modules (tests/support/distributed.py, tests/support/training.py,
+    tests/support/fake_cp.py...): importing a test module runs its collection side effects and couples unrelated
+    tests."""
     tests = ROOT / "tests"
     bad = []
     for path in sorted(tests.rglob("*.py")):
@@ -282,7 +288,7 @@ def test_no_test_module_imports_another_test_module():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
             bad += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
                     if n.startswith("tests.") and n.rpartition(".")[2].startswith("test_")]
-    assert not bad, "move what these share into a helper module under tests/:\n" + "\n".join(bad)
+    assert not bad, "move what these share into a helper module under tests/support/:\n" + "\n".join(bad)
 
 
 def test_training_code_never_reads_the_suite():

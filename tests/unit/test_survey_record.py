@@ -1,4 +1,4 @@
-"""docs/models/survey.json (written by `python -m tests.survey`, about 3 minutes) is re-checked on every run: no
+"""docs/models/survey.json (written by `python -m tests.support.survey`, about 3 minutes) is re-checked on every run: no
 result differs from one process, it names the locked transformers, and it is unbuilt only where there is no text
 decoder. A lock bump that does not re-run the survey fails here."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import transformers
 
-from tests import survey
+from tests.support import survey
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORD = json.loads((ROOT / "docs/models/survey.json").read_text())
@@ -37,7 +37,7 @@ def test_recorded_for_the_locked_transformers():
     locked = _locked("transformers")
     assert RECORD["transformers"] == locked, (
         f"survey.json was written with transformers {RECORD['transformers']}, constraints.txt locks {locked}: "
-        f"re-run `python -m tests.survey` (about 3 minutes)")
+        f"re-run `python -m tests.support.survey` (about 3 minutes)")
     if transformers.__version__ == locked:  # make test-latest runs newer releases: the record is for the lock
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 

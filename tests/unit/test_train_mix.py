@@ -18,8 +18,8 @@ from longdoc.train.data import IGNORE, collate, draw_context, shard_target_weigh
 from longdoc.train.loss import LossModel
 from longdoc.train.mix import MixSchedule, load_mix
 from longdoc.train.modeling import build
-from tests.fake_cp import FakeCP
-from tests.mix_data import mix_recipe, write_mix_inputs
+from tests.support.fake_cp import FakeCP
+from tests.support.mix_data import mix_recipe, write_mix_inputs
 
 
 def _mixed(tmp_path, **kw):

@@ -13,7 +13,7 @@ import json
 import random
 from typing import Any
 
-from longdoc.resources import resource_dir
+from longdoc.runtime.resources import resource_dir
 
 DATA_DIR = resource_dir("synth")  # data/synth in a checkout, a bundled copy in a wheel
 DATE_STYLES = ("us", "long", "iso")
