@@ -81,7 +81,9 @@ bench: install
 # another seed (`make demo DEMO_HELDOUT_SEED=7`) and keep this one unseen. The base model's results are cached by
 # content (~/.cache/longdoc/eval), so a second run evaluates only the tuned model.
 DEMO_OUT ?= runs/cpu-demo
+# DEMO_DATA: the demo's data; recipes/cpu-demo.yaml reads its training rows from runs/data
 DEMO_DATA ?= runs/data
+DEMO_PROSE = argparse asyncio.tasks collections csv datetime email.message http.client itertools json logging pathlib random
 DEMO_HELDOUT_SEED ?= 2026
 DEMO_JUDGE ?= data/transfer/licenses-qa.jsonl
 demo: install
@@ -91,9 +93,16 @@ demo: install
 	$(PY) -m longdoc data synth --domain legal --num-docs 8 --tokens 4096 --seed 0 --out $(DEMO_DATA)/legal-4k-train.jsonl; \
 	$(PY) -m longdoc data synth --domain legal --num-docs 3 --tokens 4096 --seed $(DEMO_HELDOUT_SEED) \
 		--out $(DEMO_DATA)/legal-4k-heldout.jsonl; \
+	echo "   retrieval facts planted in the training case files and in $(words $(DEMO_PROSE)) windows of real text (pydoc)"; \
+	mkdir -p $(DEMO_DATA)/stdlib-docs; \
+	for m in $(DEMO_PROSE); do $(PY) -m pydoc $$m > $(DEMO_DATA)/stdlib-docs/$$m.txt; done; \
+	$(PY) -m longdoc data plant $(DEMO_DATA)/legal-4k-train.jsonl --facts 6 --seed 0 \
+		--out $(DEMO_DATA)/legal-4k-train-planted.jsonl; \
+	$(PY) -m longdoc data plant $(DEMO_DATA)/stdlib-docs --windows 3300 --facts 8 --seed 0 \
+		--out $(DEMO_DATA)/stdlib-planted.jsonl; \
 	echo "== 2/4 train: recipes/cpu-demo.yaml, cp=2 over 2 CPU processes"; \
 	$(VENV)/bin/accelerate launch --config_file recipes/accelerate/cpu-2proc.yaml -m longdoc train \
-		recipes/cpu-demo.yaml output_dir=$(DEMO_OUT) data.path=$(DEMO_DATA)/legal-4k-train.jsonl overwrite=true; \
+		recipes/cpu-demo.yaml output_dir=$(DEMO_OUT) overwrite=true; \
 	echo "== 3/4 eval: base vs fine-tuned on every question of the held-out case files"; \
 	$(MAKE) --no-print-directory demo-eval DEMO_OUT=$(DEMO_OUT) DEMO_DATA=$(DEMO_DATA); \
 	echo "== 4/4 no-harm check: base vs fine-tuned on real legal text never trained on ($(DEMO_JUDGE))"; \
