@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 CONSTRAINTS ?= constraints.txt
 LATEST_VENV ?= .venv-latest
 
-.PHONY: install test test-slow test-latest lock gpu-check lint docs docs-serve bench demo demo-eval outcome clean
+.PHONY: install test test-slow test-latest lock gpu-check lint docs docs-serve bench demo demo-eval retrieval-rows outcome clean
 
 install: $(STAMP)
 
@@ -94,12 +94,9 @@ demo: install
 	$(PY) -m longdoc data synth --domain legal --num-docs 3 --tokens 4096 --seed $(DEMO_HELDOUT_SEED) \
 		--out $(DEMO_DATA)/legal-4k-heldout.jsonl; \
 	echo "   retrieval facts planted in the training case files and in $(words $(DEMO_PROSE)) windows of real text (pydoc)"; \
-	mkdir -p $(DEMO_DATA)/stdlib-docs; \
-	for m in $(DEMO_PROSE); do $(PY) -m pydoc $$m > $(DEMO_DATA)/stdlib-docs/$$m.txt; done; \
 	$(PY) -m longdoc data plant $(DEMO_DATA)/legal-4k-train.jsonl --facts 6 --seed 0 \
 		--out $(DEMO_DATA)/legal-4k-train-planted.jsonl; \
-	$(PY) -m longdoc data plant $(DEMO_DATA)/stdlib-docs --windows 3300 --facts 8 --seed 0 \
-		--out $(DEMO_DATA)/stdlib-planted.jsonl; \
+	$(MAKE) --no-print-directory retrieval-rows DEMO_DATA=$(DEMO_DATA); \
 	echo "== 2/4 train: recipes/cpu-demo.yaml, cp=2 over 2 CPU processes"; \
 	$(VENV)/bin/accelerate launch --config_file recipes/accelerate/cpu-2proc.yaml -m longdoc train \
 		recipes/cpu-demo.yaml output_dir=$(DEMO_OUT) overwrite=true; \
@@ -113,6 +110,14 @@ demo: install
 	echo "training loss: $(DEMO_OUT)/loss.png; held-out F1 and answer NLL: $(DEMO_OUT)/compare/compare_qa_{f1,nll}.png"; \
 	echo "no-harm check: $(DEMO_OUT)/guard/summary.md; outputs in $(DEMO_OUT)/"
 
+# Retrieval rows in real text that no evaluation uses (the demo's and the outcome's mixes, data.mix[1]): 8 facts
+# and their questions planted in a window of 3,300 tokens of each module's documentation (`python -m pydoc`).
+retrieval-rows: install
+	@mkdir -p $(DEMO_DATA)/stdlib-docs; \
+	for m in $(DEMO_PROSE); do $(PY) -m pydoc $$m > $(DEMO_DATA)/stdlib-docs/$$m.txt; done; \
+	HF_HUB_OFFLINE=1 $(PY) -m longdoc data plant $(DEMO_DATA)/stdlib-docs --windows 3300 --facts 8 --seed 0 \
+		--out $(DEMO_DATA)/stdlib-planted.jsonl
+
 # Base vs fine-tuned on the held-out case files: document QA (EM/F1 and the teacher-forced answer NLL, by question
 # kind, with paired bootstrap intervals), cp=2, the questions of a document decoded together over its one prefill.
 demo-eval: install
@@ -121,7 +126,8 @@ demo-eval: install
 
 # The README's outcome run (docs/outcome/): 24 generated legal case files of 4k and 8k tokens, fine-tuned at cp=2 twice,
 # with today's answer-only recipe (recipes/cpu-legal-qa.yaml, the baseline row) and with the training mix
-# (recipes/cpu-legal-mix.yaml: loss on the case files' tokens too, KL toward the frozen base), then base vs each on
+# (recipes/cpu-legal-mix.yaml: the demo's mix, retrieval facts planted in the case files and rows of planted facts in
+# real text), then base vs each on
 # 6 held-out case files of seeds used for nothing else (OUTCOME_SEEDS: 8k and 4k; the 2027/2028 seeds of the first
 # outcome run are spent): QA by kind/depth/length, loss by position, the needle grid, the RULER-style suite at
 # 2k/4k/8k (100 samples per task and length, `longdoc eval ruler`); and on the transfer family
@@ -145,6 +151,9 @@ outcome: install
 	$(PY) -m longdoc data synth --domain legal --num-docs 12 --tokens 8000 --seed 0 --out $(DEMO_DATA)/legal-8k-train.jsonl; \
 	$(PY) -m longdoc data synth --domain legal --num-docs 12 --tokens 4096 --seed 1 --out $(DEMO_DATA)/legal-4k-train-s1.jsonl; \
 	cat $(DEMO_DATA)/legal-8k-train.jsonl $(DEMO_DATA)/legal-4k-train-s1.jsonl > $(DEMO_DATA)/legal-qa-train.jsonl; \
+	$(PY) -m longdoc data plant $(DEMO_DATA)/legal-qa-train.jsonl --facts 8 --seed 0 \
+		--out $(DEMO_DATA)/legal-qa-train-planted.jsonl; \
+	$(MAKE) --no-print-directory retrieval-rows DEMO_DATA=$(DEMO_DATA); \
 	$(PY) -m longdoc data synth --domain legal --num-docs 3 --tokens 8000 --seed $(OUTCOME_SEED_8K) \
 		--out $(DEMO_DATA)/legal-8k-heldout-$(OUTCOME_SEED_8K).jsonl; \
 	$(PY) -m longdoc data synth --domain legal --num-docs 3 --tokens 4096 --seed $(OUTCOME_SEED_4K) \
@@ -153,7 +162,8 @@ outcome: install
 	$(VENV)/bin/accelerate launch --config_file recipes/accelerate/cpu-2proc.yaml -m longdoc train \
 		recipes/cpu-legal-qa.yaml output_dir=$(OUTCOME_BASELINE_OUT) data.path=$(DEMO_DATA)/legal-qa-train.jsonl overwrite=true; fi; \
 	$(VENV)/bin/accelerate launch --config_file recipes/accelerate/cpu-2proc.yaml -m longdoc train \
-		recipes/cpu-legal-mix.yaml output_dir=$(OUTCOME_OUT) "data.mix[0].path=$(DEMO_DATA)/legal-qa-train.jsonl" overwrite=true; \
+		recipes/cpu-legal-mix.yaml output_dir=$(OUTCOME_OUT) "data.mix[0].path=$(DEMO_DATA)/legal-qa-train-planted.jsonl" \
+		"data.mix[1].path=$(DEMO_DATA)/stdlib-planted.jsonl" overwrite=true; \
 	$(OUTCOME_EVAL) $(OUTCOME_OUT)/final --names base mix --cp 2 --data $(OUTCOME_HELDOUT) --max-new-tokens 24 \
 		--tasks qa,needle,position-loss --lengths 2k,4k,7k --repeats 2 --seed $(OUTCOME_SEED_8K) --out $(OUTCOME_OUT)/compare; \
 	$(PY) -m longdoc eval compare $(OUTCOME_OUT)/compare/base $(OUTCOME_BASELINE_OUT)/final --names base answers-only \

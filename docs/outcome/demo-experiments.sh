@@ -10,6 +10,8 @@
 #                                                                                   # in runs/exp37/rows.md
 #   docs/outcome/demo-experiments.sh eval NAME [MODEL]         # QA and guard only (the base is cached by content)
 # e.g. docs/outcome/demo-experiments.sh run answers '[{source: qa, path: runs/data/legal-4k-train.jsonl}]'
+#      docs/outcome/demo-experiments.sh run needles '[{source: qa, path: runs/data/legal-4k-train-planted.jsonl, weight: 3},
+#                                                     {source: qa, path: runs/data/stdlib-planted.jsonl, weight: 1}]'
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export HF_HUB_OFFLINE=1
@@ -17,10 +19,16 @@ PY=.venv/bin/python
 D=runs/data
 X=runs/exp37
 PAGES="bash tar find grep sed ssh curl gzip make gdb git less rsync wget valgrind perl cmake"
+PROSE="argparse asyncio.tasks collections csv datetime email.message http.client itertools json logging pathlib random"
 data() {
   mkdir -p $D runs/dev-prose
   $PY -m longdoc data synth --domain legal --num-docs 8 --tokens 4096 --seed 0 --out $D/legal-4k-train.jsonl
-  $PY -m longdoc data plant $D/legal-4k-train.jsonl --facts 4 --seed 0 --out $D/legal-4k-train-planted.jsonl
+  # retrieval facts (longdoc.corpus.plant) in the case files, and in windows of the standard library's documentation
+  # (the rows `make demo` trains on; the runs of the first session used the plant vocabulary before it broadened)
+  $PY -m longdoc data plant $D/legal-4k-train.jsonl --facts 6 --seed 0 --out $D/legal-4k-train-planted.jsonl
+  mkdir -p $D/stdlib-docs
+  for m in $PROSE; do $PY -m pydoc "$m" > $D/stdlib-docs/$m.txt; done
+  $PY -m longdoc data plant $D/stdlib-docs --windows 3300 --facts 8 --seed 0 --out $D/stdlib-planted.jsonl
   $PY -m longdoc data synth --domain legal --num-docs 3 --tokens 4096 --seed 7 --out $D/legal-4k-dev-s7.jsonl
   for p in $PAGES; do
     if man -w "$p" > /dev/null 2>&1; then MANWIDTH=100 man -P cat "$p" 2> /dev/null | col -bx > runs/dev-prose/$p.txt; fi
