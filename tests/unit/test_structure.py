@@ -1,5 +1,5 @@
 """The shape of the package, read from the source with `ast` (nothing is imported): no import cycles, each
-layer imports only the layers it may, small modules, and one module that talks to transformers' attention
+layer imports only the layers it may, small modules and functions, and one module that talks to transformers' attention
 registry. Imports inside functions count like top-level ones: they run too, just later. Importing `a.b.c` runs
 `a/b/__init__.py` before `a/b/c.py`, so an import is an edge to each package above its target as well (`runs`)."""
 
@@ -13,6 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "longdoc"
 MAX_LINES = 400
+MAX_FUNCTION_LINES = 80  # a function longer than this is several steps: name them
 REGISTRY_NAMES = {"AttentionInterface", "AttentionMaskInterface", "_global_mapping"}
 
 # layer -> the longdoc packages it must never import (docs/design.md: each layer depends only on those above it)
@@ -256,6 +257,13 @@ def test_no_module_over_the_line_limit():
     sizes = {m: len(p.read_text().splitlines()) for m, p in modules().items()}
     big = {m: n for m, n in sizes.items() if n > MAX_LINES}
     assert not big, f"modules over {MAX_LINES} lines (split by responsibility): {big}"
+
+
+def test_no_function_over_the_line_limit():
+    long = {f"{m}.{node.name}": node.end_lineno - node.lineno + 1 for m in modules() for node in ast.walk(_tree(m))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES}
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split into named steps): {long}"
 
 
 def _registry_references(name: str) -> set[str]:
