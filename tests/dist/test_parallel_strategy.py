@@ -104,7 +104,7 @@ def test_the_planner_costs_a_registered_strategy(toy):
     assert pinned.candidates and {c.setup.strategy for c in pinned.candidates} == {"toy_gather"}
     best = pinned.best
     assert best is not None and best.time.total > 0 and best.time.comm_bytes["cp"] > 0
-    assert "train.strategy=toy_gather" in best.recipe_keys()
+    assert "parallelism.strategy=toy_gather" in best.recipe_keys()
     n, shape = best.setup.tokens, best.setup.shape
     kv = shape.kv_heads * shape.head_dim
     got = strategies.buffers("toy_gather", cp=2, ulysses=None, tokens=n, q_heads=shape.heads,

@@ -216,7 +216,7 @@ def test_mlp_tile_sizes_the_tiled_terms_and_is_a_valid_recipe_override():
     fwd = {t.label: t for t in best.memory.phases["forward"]}["layer forward temporaries"]
     assert fwd.bytes == 3 * 4 * 512 * best.setup.shape.intermediate
     default = plan(_tiled_request()).best  # the hidden size, as training does
-    assert default.setup.mlp_tokens == 576 and "train.mlp_tile_tokens" not in default.recipe_keys()
+    assert default.setup.mlp_tokens == 576 and "parallelism.mlp_tile_tokens" not in default.recipe_keys()
     keys = best.recipe_keys().split()
     assert "parallelism.mlp_tile_tokens=512" in keys
     recipe = load_recipe(ROOT / "recipes" / "cpu-demo.yaml", keys)
