@@ -201,7 +201,7 @@ def test_hybrid_plans_show_per_kind_terms_and_attention_flops_only_for_attention
     assert shape.with_layers(5).layer_kinds == ("mamba2", "attention", "mamba2", "mamba2", "attention")
 
 
-# --mlp-tile (train.mlp_tile_tokens)
+# --mlp-tile (parallelism.mlp_tile_tokens)
 
 def _tiled_request(**kw) -> PlanRequest:
     return PlanRequest(model="SmolLM2-135M", seq_len=16384, gpus=2, cp=2, gpu="cpu", precision="fp32",
