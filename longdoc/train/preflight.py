@@ -56,8 +56,8 @@ def check_data_path(path: str, key: str, task: str | None = None, text_field: st
     p = Path(path).expanduser()
     if not p.exists():
         if "/" not in path or looks_like_path(path):  # as the loader decides (train.data.load_sequences)
-            raise RecipeError(f"{key}: {p} does not exist; generate documents with `longdoc data synth --domain legal "
-                              f"--out {p}` or point {key} at your documents")
+            raise RecipeError(f"{key}: {p} does not exist; make it as the recipe's header says (`longdoc data synth`, "
+                              f"`longdoc data plant`, `make retrieval-rows`) or point {key} at your documents")
         return  # a hub dataset id: loading it may need the network, so the ranks check it
     if task is None or is_tokenized(p):
         return
