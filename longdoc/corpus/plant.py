@@ -134,8 +134,11 @@ def windows(texts: list[tuple[str, str]], tokens: int, per_document: int, tokeni
     short for one window is left out; every window kept holds at least 90% of `tokens`."""
     if tokens < 64 or per_document < 1:
         raise ValueError(f"windows need >= 64 tokens and >= 1 per document, got {tokens} and {per_document}")
-    records = []
+    records, seen = [], {}
     for name, text in texts:
+        seen[name] = seen.get(name, 0) + 1
+        if seen[name] > 1:  # two files of one name (in two folders): ids, and so the planted facts, stay distinct
+            name = f"{name}-{seen[name]}"
         lines, kept = text.splitlines(keepends=True), 0
         i = 0
         while i < len(lines) and kept < per_document:

@@ -93,6 +93,8 @@ def test_windows_cut_plain_documents_at_line_ends():
     assert plant.windows([("doc", text)], 100, 30, _Words())[-1]["id"] == "doc-w09", "a partial last window is dropped"
     with pytest.raises(ValueError, match="64 tokens"):
         plant.windows([("doc", text)], 10, 1, _Words())
+    twins = plant.windows([("doc", text), ("doc", text)], 100, 1, _Words())
+    assert [r["id"] for r in twins] == ["doc-w00", "doc-2-w00"], "files of one name in two folders stay apart"
 
 
 def test_cli_plants_in_windows_of_plain_text(tmp_path, capsys):
