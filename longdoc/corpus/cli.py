@@ -108,6 +108,8 @@ def _add_plant(verbs: argparse._SubParsersAction) -> None:
                         "of 4k, leaving room for the questions)")
     t.add_argument("--per-document", type=int, default=1, help="with --windows: windows taken from the start of "
                    "each document (default: %(default)s; more documents beat more windows of one)")
+    t.add_argument("--skip-bad", action="store_true", help="with --windows: skip unsupported or unreadable files of "
+                   "a folder and name them at the end, as `data prepare --skip-bad` does")
     t.add_argument("--tokenizer", default=None, help="with --windows: model name or path whose tokens count "
                    "(default: SmolLM2-135M-Instruct)")
     t.add_argument("--seed", type=int, default=0)
@@ -190,9 +192,12 @@ def _plant_inputs(args: argparse.Namespace) -> list[dict]:
     from pathlib import Path
 
     from longdoc import models
-    from longdoc.corpus.ingest import read_documents
+    from longdoc.corpus.ingest import Skips, read_documents
 
-    texts = [(Path(d["doc_id"]).stem, d["text"]) for d in read_documents(args.input, task="pretrain")]
+    skips = Skips() if args.skip_bad else None
+    texts = [(Path(d["doc_id"]).stem, d["text"]) for d in read_documents(args.input, task="pretrain", skips=skips)]
+    if skips is not None and skips.total:
+        print(skips.report(), file=sys.stderr)
     records = plant.windows(texts, args.windows, args.per_document, models.load_tokenizer(args.tokenizer
                                                                                         or models.DEFAULT_MODEL))
     if not records:

@@ -116,3 +116,19 @@ def test_cli_plants_in_windows_of_plain_text(tmp_path, capsys):
     assert len(err) == 1 and "smaller --windows" in err[0]
     assert main(["data", "plant", str(folder / "alpha.txt"), "--out", str(tmp_path / "x.jsonl")]) == 2
     assert "--windows TOKENS" in capsys.readouterr().err
+
+
+def test_cli_windows_skip_bad_files_by_name(tmp_path, capsys):
+    from longdoc.cli import main
+
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("".join(f"Note {i}: the notes explain one thing.\n" for i in range(300)))
+    (folder / "scan.png").write_bytes(b"\x89PNG\r\n")
+    out = tmp_path / "rows.jsonl"
+    assert main(["data", "plant", str(folder), "--windows", "512", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "scan.png" in err[0] and "--skip-bad" in err[0]
+    assert main(["data", "plant", str(folder), "--windows", "512", "--skip-bad", "--out", str(out)]) == 0
+    assert "scan.png" in capsys.readouterr().err
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["notes-w00"]

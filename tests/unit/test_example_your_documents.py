@@ -62,7 +62,7 @@ def test_every_guide_and_readme_command_parses(monkeypatch):
     monkeypatch.chdir(ROOT)  # the recipes are named relative to the repository root
     example, text = _example(), GUIDE.read_text(encoding="utf-8")
     commands = example.commands(text)
-    assert commands == _guide_commands(text) and len(commands) == 5
+    assert commands == _guide_commands(text) and len(commands) == 6
     walk, smoke = example.settings(text)
     assert walk["MODEL"] == "SmolLM2-135M-Instruct" and smoke["MODEL"].startswith("tiny:")
     for sizes in (walk, smoke):
@@ -106,7 +106,7 @@ def _tracked_copy(dest: Path) -> Path:
     return dest
 
 
-@pytest.mark.slow  # 5 commands, 2 trainings and the comparison at cp=2: 2 CPU-minutes, 5 on 2 busy cores
+@pytest.mark.slow  # 6 commands, 2 trainings and the comparison at cp=2: 2 CPU-minutes, 5 on 2 busy cores
 def test_the_guide_runs_as_written_in_a_fresh_copy(tmp_path):
     clone = _tracked_copy(tmp_path / "clone")
     mine, out = _user_files(tmp_path), tmp_path / "out"
@@ -116,7 +116,7 @@ def test_the_guide_runs_as_written_in_a_fresh_copy(tmp_path):
                            "--smoke"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     guide = _guide_commands((clone / "docs" / "guides" / "your-documents.md").read_text(encoding="utf-8"))
-    assert done.stdout.count("$ longdoc ") == len(guide) == 5, done.stdout
+    assert done.stdout.count("$ longdoc ") == len(guide) == 6, done.stdout
     for command in guide:
         assert f"$ {command}\n" in done.stdout, command
     assert (out / "pretrain" / "final").is_dir() and (out / "chat" / "final").is_dir() and (out / "chats").exists()
