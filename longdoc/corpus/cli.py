@@ -56,16 +56,18 @@ def _add_prepare(verbs: argparse._SubParsersAction) -> None:
     q.add_argument("inputs", nargs="+", help="data files, documents (.txt/.md/.pdf/.docx/.html) and folders of "
                    "them, or hub dataset ids")
     q.add_argument("--out", required=True, help="a .jsonl or .parquet file, or a folder (save_to_disk)")
-    q.add_argument("--task", choices=["pretrain", "qa", "chat"], default="pretrain",
+    q.add_argument("--task", choices=["pretrain", "qa", "chat", "preference"], default="pretrain",
                    help="pretrain: whole documents; qa: document + question -> answer; chat: conversations "
-                        "(messages [{role, content}] or ShareGPT conversations) in the model's chat template "
-                        "(default pretrain)")
+                        "(messages [{role, content}] or ShareGPT conversations) in the model's chat template; "
+                        "preference: prompt/chosen/rejected pairs (TRL's text or conversational format) as "
+                        "shared-prefix rows (default pretrain)")
     q.add_argument("--tokenizer", default=None, help="model name or path (default: SmolLM2-135M-Instruct)")
     q.add_argument("--target-tokens", type=cliargs.length, default=32768,
                    help="row length (default 32768, up to 1048576; 32k and 1M work too)")
     q.add_argument("--overlap", type=int, default=None, help="overlap of windows over long documents "
                    "(default: target/8)")
-    q.add_argument("--pack", action="store_true", help="pack short documents into one row (pretrain, chat; off by "
+    q.add_argument("--pack", action="store_true", help="pack short documents into one row (pretrain, chat, "
+                   "preference; off by "
                    "default; under `longdoc train` each document attends only to itself and keeps its own positions)")
     q.add_argument("--loss-on", choices=["assistant", "all"], default="assistant", help="chat: loss on the "
                    "assistant turns only (default) or on every token")

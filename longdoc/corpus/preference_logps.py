@@ -46,7 +46,7 @@ def _branches(row: dict[str, Any]) -> list[tuple[int, int, int, int]]:
 def branch_targets(row: dict[str, Any]) -> Targets:
     """For each chosen and rejected token of `row`, the position whose logit predicts it (see the module doc)."""
     logit, target, pair, side = [], [], [], []
-    for k, (p, c, r, e) in enumerate(_branches(row)):
+    for k, (_, c, r, e) in enumerate(_branches(row)):
         chosen, rejected = torch.arange(c, r), torch.arange(r, e)
         # chosen: the usual shift; rejected: its first token hangs off the prompt's last token, not chosen's last
         logit += [chosen - 1, torch.cat([torch.tensor([c - 1]), rejected[:-1]])]

@@ -63,8 +63,8 @@ def prepare(inputs: str | Path | list, tokenizer: Any = None, *, task: str = "pr
             cache_dir: str | Path | None = None, split: str = "train", seed: int = 0, add_eos: bool = True,
             use_chat_template: bool | None = None, batch_size: int = 64, questions_per_row: int | None = None,
             epochs: int = 1, chat_loss: str = "assistant", truncation: str = "left"):
-    """Tokenized rows for `task` ("pretrain" | "qa" | "chat" | "preference"); bad input raises `CorpusError` unless `skips` is
-    given, which then counts what was left out (see `Skips.summary`)."""
+    """Tokenized rows for `task` ("pretrain" | "qa" | "chat" | "preference"); bad input raises `CorpusError`
+    unless `skips` is given, which then counts what was left out (see `Skips.summary`)."""
     import datasets
 
     if not 64 <= target_tokens <= MAX_TARGET:
