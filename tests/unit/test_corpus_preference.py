@@ -187,3 +187,19 @@ def test_shared_prefix_logps_equal_the_two_sequence_form():
     # the test can fail: the naive shift (rejected's first token from chosen's last) gives another number
     naive = sum(sequence_logp(logits[p:e], row["labels"][p:e]) for p, c, r, e in row["branches"])
     assert abs(float(naive - (chosen + rejected).sum())) > 1e-3
+
+
+def test_training_loader_reads_preference_rows_and_refuses_a_mismatch(tok, tmp_path):
+    from longdoc.train.config import DataConfig, RecipeError
+    from longdoc.train.data import load_sequences
+
+    path = _jsonl(tmp_path / "p.jsonl", [TEXT, CONV])
+    cfg = DataConfig(path=path, task="preference", seq_len=1024)
+    seqs = load_sequences(cfg, tok, len(tok), seed=0)
+    assert len(seqs) == 2 and seqs.has_branches
+    assert seqs.ds[0]["branches"].shape == (1, 4)
+    rows = tmp_path / "rows.jsonl"
+    prepare(path, tok, task="preference", target_tokens=1024, cache_dir=tmp_path / "c").to_json(str(rows))
+    with pytest.raises(RecipeError, match="holds preference rows \\(branches\\); set data.task: preference"):
+        load_sequences(DataConfig(path=str(rows), task="qa", seq_len=1024), tok, len(tok), seed=0)
+    assert load_sequences(DataConfig(path=str(rows), task="preference", seq_len=1024), tok, len(tok), 0).has_branches
