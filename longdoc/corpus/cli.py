@@ -1,4 +1,4 @@
-"""`longdoc data synth`, `longdoc data prepare` and `longdoc data rehearse`.
+"""`longdoc data synth`, `prepare`, `plant`, `pairs` and `rehearse`.
 
     longdoc data synth --domain legal --num-docs 4 --tokens 32768 --seed 0 --out legal.jsonl
     longdoc data synth --domain legal --num-docs 8 --tokens 4096 --chat --out legal-chat.jsonl   # conversations
