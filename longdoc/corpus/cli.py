@@ -253,7 +253,7 @@ def _pairs(args: argparse.Namespace) -> int:
 
             model, tokenizer = models.load(args.model)
             answers = pairs.model_answers(model.eval(), tokenizer, records, max_new_tokens=args.max_new_tokens,
-                                          temperature=args.temperature, seed=args.seed)
+                                          temperature=args.temperature, seed=args.seed, chat=args.chat)
         rows, made, skipped = pairs.build(records, chat=args.chat, answers=answers)
     except (CorpusError, ValueError, OSError) as e:
         print(f"longdoc data pairs: {e}", file=sys.stderr)

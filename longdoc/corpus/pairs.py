@@ -21,7 +21,8 @@ gold answer or one of its aliases (up to case, spacing and punctuation) is never
 
 With `model` the rejected answer is instead that model's own answer (on-policy): greedy, or sampled once with
 `temperature` and `seed`, over one prefill of the document per record (longdoc.hf.session.KVSession), prompted
-as training and evaluation prompt it (longdoc.corpus.qa_format). An answer equal to the gold one gives no pair
+exactly as the pair's own prompt reads (the plain layout, or with `chat` the chat template's; both are
+longdoc.corpus.qa_format's, as training and evaluation prompt). An answer equal to the gold one gives no pair
 ("model answered correctly"), an empty one neither ("model gave no answer"); both are counted.
 
 Output rows: TRL's text format {prompt, chosen, rejected} (prompt: "<document>\\n\\nQuestion: ...\\nAnswer:",

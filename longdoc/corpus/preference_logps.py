@@ -59,6 +59,23 @@ def branch_targets(row: dict[str, Any]) -> Targets:
     return Targets(torch.cat(logit), torch.cat(target), torch.cat(pair), torch.cat(side))
 
 
+def shifted_targets(row: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same targets laid out per predicting position, the form a CP loss shards (labels are shifted before
+    sharding): `next_ids` (T,), the token position t's logit predicts under the usual shift, IGNORE where it
+    predicts nothing (the prompt but its last token, chosen's last token - never rejected's first -, rejected's
+    last); and `extra` (pairs, 2) of [logit_index, token_id]: the one prediction per pair the usual shift cannot
+    hold, rejected's first token from the prompt's last position (which so has two targets)."""
+    ids = torch.as_tensor(row["input_ids"], dtype=torch.long)
+    next_ids = torch.full_like(ids, IGNORE)
+    t = branch_targets(row)
+    first_rejected = torch.tensor([r for _, _, r, _ in _branches(row)], dtype=torch.long)
+    usual = ~torch.isin(t.target_index, first_rejected)
+    next_ids[t.logit_index[usual]] = ids[t.target_index[usual]]
+    # in pair order, as branch_targets lists them: [the prompt's last position, rejected's first token id]
+    extra = torch.stack([t.logit_index[~usual], ids[t.target_index[~usual]]], dim=1)
+    return next_ids, extra.reshape(-1, 2)
+
+
 def sibling_mask(row: dict[str, Any]) -> torch.Tensor:
     """(T, T) bool, True where query token i may attend key token j: within a pair, prompt and chosen causally,
     rejected to the prompt and to itself causally (never chosen); nothing across pairs."""

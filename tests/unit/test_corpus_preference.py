@@ -17,6 +17,7 @@ from longdoc.corpus.preference_logps import (
     branch_targets,
     pair_logps,
     sequence_logp,
+    shifted_targets,
     sibling_mask,
     two_sequence_rows,
 )
@@ -99,6 +100,11 @@ def test_branch_targets_and_sibling_mask():
     assert t.logit_index.tolist() == [2, 3, 2, 5, 6, 9, 9]
     assert t.target_index.tolist() == [3, 4, 5, 6, 7, 10, 11]
     assert t.pair.tolist() == [0, 0, 0, 0, 0, 1, 1] and t.rejected.tolist() == [0, 0, 1, 1, 1, 0, 1]
+    next_ids, extra = shifted_targets(row)
+    ids = row["input_ids"]
+    assert next_ids.tolist() == [IGNORE, IGNORE, ids[3], ids[4], IGNORE, ids[6], ids[7], IGNORE,
+                                 IGNORE, ids[10], IGNORE, IGNORE], "chosen's last predicts nothing"
+    assert extra.tolist() == [[2, ids[5]], [9, ids[11]]], "rejected's first from the prompt's last position"
     m = sibling_mask(row)
     assert m[5].tolist() == [1, 1, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0], "rejected sees the prompt and itself, not chosen"
     assert m[4].tolist() == [1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0]
@@ -184,6 +190,12 @@ def test_shared_prefix_logps_equal_the_two_sequence_form():
     # eager_attention_forward): rows of another length round apart at ~1e-8 of sums near 30
     torch.testing.assert_close(chosen, ref[:, 0], rtol=0, atol=1e-6)
     torch.testing.assert_close(rejected, ref[:, 1], rtol=0, atol=1e-6)
+    # the per-position (shardable) form holds the same predictions: its total equals the pairs' total
+    next_ids, extra = shifted_targets(row)
+    logp = torch.log_softmax(logits, dim=-1)
+    keep = next_ids != IGNORE
+    total = logp[keep].gather(-1, next_ids[keep][:, None]).sum() + logp[extra[:, 0], extra[:, 1]].sum()
+    torch.testing.assert_close(total, (chosen + rejected).sum(), rtol=0, atol=1e-10)
     # the test can fail: the naive shift (rejected's first token from chosen's last) gives another number
     naive = sum(sequence_logp(logits[p:e], row["labels"][p:e]) for p, c, r, e in row["branches"])
     assert abs(float(naive - (chosen + rejected).sum())) > 1e-3
