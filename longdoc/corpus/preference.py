@@ -20,7 +20,7 @@ are tokenized as the tokenizer does by default; conversational rows render the p
 and prompt+chosen, prompt+rejected as whole conversations by the chat template. The prompt is the longest common
 prefix of the three token lists (`common_prefix_length`), chosen and rejected what follows it: an answer's
 tokens run to the end of the rendered conversation, its end-of-turn token (and any newline the template puts
-after it, as TRL does) included.
+after it, as TRL does) included. Like TRL, the long prompt is tokenized three times (alone and with each answer).
 
 The shared-prefix row - one sequence [prompt | chosen | rejected] per pair, several pairs packed in a row:
     input_ids     prompt ids + chosen ids + rejected ids (per pair, pairs one after another)
@@ -38,9 +38,12 @@ Targets - the crux: labels are unshifted, but the usual shift (logit t-1 predict
 per pair: rejected's first token is predicted by the prompt's last token, not by chosen's last. So the prompt's
 last position predicts two tokens (chosen's first and rejected's first), and no single shifted label vector can
 hold both. A loss must pair logits and labels by `branch_targets(row)`: for every labelled token t, the position
-whose logit predicts it (t - 1, except rejected_start -> chosen_start - 1), the pair and the side. `pair_logps`
-is the pure-torch reference: per pair, the summed log-probabilities of chosen and of rejected, equal to those of
-the two-sequence form (`two_sequence_rows`: prompt+chosen and prompt+rejected as separate rows, TRL's layout).
+whose logit predicts it (t - 1, except rejected_start -> chosen_start - 1), the pair and the side; or, laid out
+per position as a CP loss shards its targets, by `shifted_targets(row)`: the usual shifted targets with chosen's
+last position predicting nothing, plus one extra [prompt's last position, rejected's first token] per pair.
+`pair_logps` is the pure-torch reference: per pair, the summed log-probabilities of chosen and of rejected, equal to
+those of the two-sequence form (`two_sequence_rows`: prompt+chosen and prompt+rejected as separate rows, TRL's
+layout).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The shared-prefix preference row (longdoc.corpus.preference) as a model sees it: which token predicts which,
 who attends to whom, and the per-pair log-probability sums a DPO loss needs - the pure-torch reference.
 
-    from longdoc.corpus.preference_logps import branch_targets, pair_logps, sibling_mask
+    from longdoc.corpus.preference_logps import branch_targets, pair_logps, shifted_targets, sibling_mask
     mask = sibling_mask(row)                                    # (T, T) bool, True = may attend
     logits = model(input_ids, position_ids=row positions, attention_mask=<mask as 4D>).logits[0]
     chosen, rejected = pair_logps(logits, row)                  # (pairs,) each
@@ -10,8 +10,9 @@ A row is one sequence [prompt | chosen | rejected] per pair (its `branches` give
 rejected_start, end]); its labels are unshifted. The usual shift pairs logit t-1 with label t; at rejected_start
 that would be chosen's last token, so `branch_targets` names the predicting position of every labelled token
 explicitly: t - 1, except rejected_start, predicted by the prompt's last token (chosen_start - 1), which so
-predicts two tokens. `two_sequence_rows` gives the same pairs as TRL lays them out (prompt+chosen and
-prompt+rejected, separate rows), where the usual shift is right: the reference `pair_logps` is checked against.
+predicts two tokens (`shifted_targets`: the same, as per-position targets plus one extra per pair).
+`two_sequence_rows` gives the same pairs as TRL lays them out (prompt+chosen and prompt+rejected, separate rows),
+where the usual shift is right: the reference `pair_logps` is checked against.
 """
 
 from __future__ import annotations
