@@ -215,3 +215,14 @@ def test_training_loader_reads_preference_rows_and_refuses_a_mismatch(tok, tmp_p
     with pytest.raises(RecipeError, match="holds preference rows \\(branches\\); set data.task: preference"):
         load_sequences(DataConfig(path=str(rows), task="qa", seq_len=1024), tok, len(tok), seed=0)
     assert load_sequences(DataConfig(path=str(rows), task="preference", seq_len=1024), tok, len(tok), 0).has_branches
+
+
+def test_train_refuses_preference_rows_before_any_rank(tmp_path):
+    from longdoc.train.config import RecipeError, recipe_from_dict
+    from longdoc.train.preflight import check_recipe
+
+    path = _jsonl(tmp_path / "p.jsonl", [TEXT])
+    recipe = recipe_from_dict({"model": {"name": "tiny:llama"}, "output_dir": str(tmp_path / "out"),
+                               "data": {"path": path, "task": "preference", "seq_len": 1024}})
+    with pytest.raises(RecipeError, match="data.task: preference rows train with a DPO step"):
+        check_recipe(recipe)
