@@ -305,9 +305,11 @@ class Branches:
         """Every pair's prompt, chosen and rejected starts and its end."""
         return tuple(x for s in self.spans for x in s)
 
-    def position_ids(self, seq_len: int, device: torch.device | str | None = None) -> torch.Tensor:
-        """Position ids of the full row: 0.. per document, and rejected continuing from the prompt's end."""
-        pos = self.documents(seq_len).position_ids(device)
+    def position_ids(self, seq_len: int, device: torch.device | str | None = None,
+                     documents: Packed | None = None) -> torch.Tensor:
+        """Position ids of the full row: 0.. per document (`documents`, default `self.documents(seq_len)`), and
+        rejected continuing from its prompt's end, as if chosen were not there."""
+        pos = (documents or self.documents(seq_len)).position_ids(device)
         for p, c, r, e in self.spans:
             pos[r:e] = torch.arange(c - p, c - p + e - r, device=device)
         return pos
