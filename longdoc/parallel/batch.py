@@ -196,12 +196,7 @@ def _validated(batch: Mapping[str, Any], ignore_index: int, num_items_in_batch) 
     starts, docs = [0] * bsz, [None] * bsz
     pairs = batch_branches.per_row(batch["branches"], bsz) if batch.get("branches") is not None else None
     if pairs is not None:
-        given, pos = pos, torch.arange(seq_len, device=device).repeat(bsz, 1) if pos is None else pos.clone()
-        for r, row in enumerate(pairs):
-            if row is not None:
-                n = int(n_real[r])
-                pos[r, :n] = batch_branches.row_positions(row, None if given is None else given[r], int(lead[r]), n, r)
-                docs[r] = row.documents(n).doc_lens
+        pos = batch_branches.positions(pairs, pos, lead.tolist(), [int(n) for n in n_real], seq_len, device, docs)
     if pos is not None:
         for r in range(bsz):
             if docs[r] is None:

@@ -48,6 +48,18 @@ def row_positions(pairs: Branches, pos: torch.Tensor | None, lead: int, n_real: 
     return want
 
 
+def positions(rows: list[Branches | None], pos: torch.Tensor | None, lead: list[int], n_real: list[int],
+              seq_len: int, device, docs: list) -> torch.Tensor:
+    """The batch's position ids with every row of pairs numbered by them (checked against the given `pos`);
+    fills `docs[r]` with the document lengths of each such row, in place."""
+    out = torch.arange(seq_len, device=device).repeat(len(rows), 1) if pos is None else pos.clone()
+    for r, row in enumerate(rows):
+        if row is not None:
+            out[r, :n_real[r]] = row_positions(row, None if pos is None else pos[r], lead[r], n_real[r], r)
+            docs[r] = row.documents(n_real[r]).doc_lens
+    return out
+
+
 def encode(rows: list[Branches | None], device: torch.device | str | None = None) -> torch.Tensor:
     """(batch, most pairs in a row, 4) long tensor of every row's spans, -1 rows for missing pairs."""
     out = torch.full((len(rows), max(len(r.spans) if r else 0 for r in rows), 4), -1, dtype=torch.long)
