@@ -2,8 +2,8 @@
 reference with the dense sibling mask: world sizes 2 and 3, strategies ring, allgather, ulysses and usp (every
 factoring of the world), zigzag and contiguous layouts, one pair in a row and two pairs packed in one row (a
 1-token chosen, a 1-token rejected, a stretch of tokens outside the pairs), GQA heads; outputs and dq, dk, dv in
-float64, and bf16 held to the error one device makes computing the same attention in bf16. Each world size is
-spawned once and loops over its cases."""
+float64, and bf16 held to the error one device makes computing the same attention in bf16; ranks passing different
+pairs get the same error. Each world size is spawned once and loops over its cases."""
 
 from __future__ import annotations
 
@@ -67,7 +67,18 @@ def _cases(rank: int, world_size: int) -> list[tuple[tuple, dict, dict | None]]:
             if layout == "zigzag" and strategy in ("ring", "ulysses"):
                 errs, one = _run(cp, strategy, ROWS["two pairs"], torch.bfloat16, seed=7 + g_i, one=True)
                 results.append(((label, layout, "two pairs", "bf16"), errs, one))
-    return results
+    return results, _disagree(rank)
+
+
+def _disagree(rank: int) -> str:
+    """The error of ranks passing different pairs (the chosen / rejected cut moves on rank 0 only)."""
+    q = torch.randn(1, 6, 8, 16, dtype=torch.float64)
+    try:
+        longdoc.attention(q, q[:, :2], q[:, :2], longdoc.ContextParallel(timeout=60),
+                          branches=[(0, 3 + (rank == 0), 6, 7)])
+    except ValueError as e:
+        return str(e)
+    return "no error"
 
 
 def _check(results, world_size: int) -> None:
@@ -80,5 +91,8 @@ def _check(results, world_size: int) -> None:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_branches_match_the_dense_sibling_mask(world_size):
-    for results in run_ranks(world_size, _cases, deadline=300):
+    per_rank = run_ranks(world_size, _cases, deadline=300)
+    for results, _ in per_rank:
         _check(results, world_size)
+    errors = {e for _, e in per_rank}
+    assert len(errors) == 1 and "CP ranks disagree" in errors.pop(), [e for _, e in per_rank]
