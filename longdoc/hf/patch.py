@@ -153,6 +153,9 @@ def _pre_forward(handle: CPHandle, signature: inspect.Signature, module, args, k
     branches = kwargs.pop(BRANCHES, None)  # and its preference pairs (longdoc.hf.pairs)
     mask_probe.begin(handle)
     if handle.session is not None:
+        if branches is not None:
+            raise refuse(handle.model_name, "preference pairs (longdoc_branches) in a KV session's call",
+                         "sessions prefill and decode plain rows; pass branches to training forwards only")
         return args, kwargs  # a KVSession's own call: it checked its inputs (or the caller ran a plain reference)
     cp = handle.cp
     if cp is None:
