@@ -1,0 +1,67 @@
+"""TRL DPOTrainer with CPDPOTrainerMixin at cp=2 logs and trains what plain DPOTrainer does in one process.
+
+One spawn of 2 ranks; every case runs inside it. Float64 tiny Llama: CP changes only the summation order of
+attention (its softmax blocks merge in fp32), so relative 1e-5 is far above that and far below a real mismatch.
+Rewards are differences of nearly equal log-probs (exactly 0 at step 1, where policy = reference), so they are
+held to the log-probs' scale: |diff| <= 1e-5 * (1 + beta * |logps|).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tests.support.distributed import run_ranks
+from tests.support.dpo_cases import run_dpo
+from tests.support.trainer_cases import launcher_env
+
+REL = 1e-5
+BETA = 0.1
+
+CASES = {
+    # LoRA: the reference is the adapter-disabled policy; sigmoid loss, 2 micro-batches per step
+    "lora-sigmoid": {"batch": 2, "accum": 2},
+    # full fine-tuning against a separate reference model (patched too); IPO and WPO-free ld_alpha use per-token
+    # masks and completion lengths, and sft uses the chosen tokens' mean
+    "ref-model-ipo-sft-ld": {"batch": 2, "accum": 1, "lora": False, "loss_type": ["ipo", "sft"], "ld_alpha": 0.5,
+                             "lr": 1e-3},
+    # reference log-probs precomputed (through the CP hooks, after CP joined), full fine-tuning
+    "precompute": {"batch": 2, "accum": 1, "lora": False, "precompute": True, "lr": 1e-3},
+}
+
+
+def _cases_on_ranks(rank: int, world_size: int, cases: dict, out: str) -> dict:
+    launcher_env(rank, world_size)
+    return {name: run_dpo(case, f"{out}/{name}", cp_size=2) for name, case in cases.items()}
+
+
+def _close(key: str, a, b, scale: float) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    tol = REL * (1 + BETA * scale) if key.startswith("rewards/") else REL * max(abs(b), 1e-30)
+    return abs(a - b) <= tol
+
+
+def _errors(name: str, rank: int, got: dict, ref: dict) -> list[str]:
+    errors = []
+    pairs = [*zip(got["logs"], ref["logs"], strict=True), (got["eval"], ref["eval"])]
+    for step, (mine, theirs) in enumerate(pairs, start=1):
+        scale = max(abs(theirs["logps/chosen"] or 0), abs(theirs["logps/rejected"] or 0))
+        bad = {k: (mine[k], theirs[k]) for k in theirs if not _close(k, mine[k], theirs[k], scale)}
+        if bad:
+            errors.append(f"{name} rank {rank} {'eval' if step > len(ref['logs']) else f'step {step}'}: {bad}")
+    for p, want in ref["params"].items():
+        if not torch.allclose(got["params"][p], want, rtol=REL, atol=1e-9):
+            errors.append(f"{name} rank {rank}: parameter {p} differs by {(got['params'][p] - want).abs().max()}")
+    return errors
+
+
+def test_cp2_dpo_equals_single_process(tmp_path, cases: dict | None = None):
+    cases = CASES if cases is None else cases
+    results = run_ranks(2, _cases_on_ranks, cases, str(tmp_path / "cp2"), deadline=300, pg_timeout=200)
+    errors = []
+    for name, case in cases.items():
+        ref = run_dpo(case, str(tmp_path / f"ref-{name}"), cp_size=None)
+        assert len(ref["logs"]) == 2 and all(v is not None for v in ref["logs"][0].values()), ref["logs"]
+        for rank, res in enumerate(results):
+            errors += _errors(name, rank, res[name], ref)
+    assert not errors, "\n".join(errors)
