@@ -2,7 +2,7 @@
 
 One spawn of 2 ranks; every case runs inside it. Float64 tiny Llama: CP changes only the summation order of
 attention (its softmax blocks merge in fp32), so relative 1e-5 is far above that and far below a real mismatch.
-Rewards are differences of nearly equal log-probs (exactly 0 at step 1, where policy = reference), so they are
+SGD, so the final parameters compare like the gradients. Rewards are differences of nearly equal log-probs (exactly 0 at step 1, where policy = reference), so they are
 held to the log-probs' scale: |diff| <= 1e-5 * (1 + beta * |logps|).
 """
 
@@ -49,6 +49,8 @@ def _errors(name: str, rank: int, got: dict, ref: dict) -> list[str]:
         bad = {k: (mine[k], theirs[k]) for k in theirs if not _close(k, mine[k], theirs[k], scale)}
         if bad:
             errors.append(f"{name} rank {rank} {'eval' if step > len(ref['logs']) else f'step {step}'}: {bad}")
+    if got["ref_patched"] is False:
+        errors.append(f"{name} rank {rank}: the reference model was not patched for CP")
     for p, want in ref["params"].items():
         if not torch.allclose(got["params"][p], want, rtol=REL, atol=1e-9):
             errors.append(f"{name} rank {rank}: parameter {p} differs by {(got['params'][p] - want).abs().max()}")
