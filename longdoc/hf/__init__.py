@@ -9,7 +9,8 @@ Importing this package imports transformers; `import longdoc` alone does not.
     decode.py     the decode mathematics: sharded KV cache, extend attention, token choice
     prefill.py    evaluation forwards without a cache: logits / log-probs at chosen positions
     verify.py     `longdoc verify`
-    trainer.py    CPTrainer / CPTrainerMixin: transformers.Trainer (and TRL) under CP
+    trainer.py    CPTrainer / CPTrainerMixin: transformers.Trainer (and TRL's SFTTrainer) under CP
+    dpo_trainer.py  CPDPOTrainerMixin: TRL's DPOTrainer under CP
 """
 
 from typing import TYPE_CHECKING, Any
@@ -20,10 +21,12 @@ from longdoc.hf.session import Generation, KVSession, generate
 from longdoc.parallel.batch import CPInputError, shard_batch, shift_labels
 
 if TYPE_CHECKING:  # type checkers see the classes; at run time __getattr__ imports transformers.Trainer lazily
+    from longdoc.hf.dpo_trainer import CPDPOTrainerMixin
     from longdoc.hf.trainer import CPTrainer, CPTrainerMixin
 
-__all__ = ["CPInputError", "CPTrainer", "CPTrainerMixin", "Generation", "KVSession", "UnsupportedFeatureError",
-           "chunked_loss", "generate", "is_patched", "patch", "shard_batch", "shift_labels", "unpatch"]
+__all__ = ["CPDPOTrainerMixin", "CPInputError", "CPTrainer", "CPTrainerMixin", "Generation", "KVSession",
+           "UnsupportedFeatureError", "chunked_loss", "generate", "is_patched", "patch", "shard_batch", "shift_labels",
+           "unpatch"]
 
 
 def __getattr__(name: str) -> Any:
@@ -32,4 +35,8 @@ def __getattr__(name: str) -> Any:
         from longdoc.hf import trainer
 
         return getattr(trainer, name)
+    if name == "CPDPOTrainerMixin":
+        from longdoc.hf import dpo_trainer
+
+        return dpo_trainer.CPDPOTrainerMixin
     raise AttributeError(f"module 'longdoc.hf' has no attribute {name!r}")

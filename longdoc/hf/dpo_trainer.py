@@ -54,8 +54,8 @@ def check_trl_version(version: str | None = None) -> None:
         version = trl.__version__
     if version not in TESTED_TRL:
         raise RuntimeError(f"CPDPOTrainerMixin was written for TRL {', '.join(TESTED_TRL)} (DPOTrainer's fused LM "
-                           f"head), got trl {version}; install trl=={TESTED_TRL[-1]} or check longdoc/hf/dpo_trainer.py "
-                           f"against it and add the version to TESTED_TRL")
+                           f"head), got trl {version}; install trl=={TESTED_TRL[-1]} or check "
+                           f"longdoc/hf/dpo_trainer.py against it and add the version to TESTED_TRL")
 
 
 def _shard_call(cp, pad_id: int, state: dict, module, args: tuple, kwargs: dict):
@@ -123,7 +123,7 @@ class CPDPOTrainerMixin(CPTrainerMixin):
     Takes CPTrainerMixin's arguments (cp_size, cp_layout, cp_strategy, ...); the loss and metrics are TRL's, on one
     process's per-token log-probs (see the module docstring)."""
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         from trl import DPOTrainer
 
         check_trl_version()
@@ -171,7 +171,7 @@ class CPDPOTrainerMixin(CPTrainerMixin):
         else:
             self.eval_dataset[name] = self._precompute_ref_logps(self.eval_dataset[name], name, batch_size)
 
-    def _precompute_ref_logps(self, dataset, name: str, batch_size: int):
+    def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
         """TRL's precompute, through the CP hooks: deferred until CP has joined (DPOTrainer.__init__ asks first);
         the CP ranks of a group read the same batches and each batch's values are gathered once per group."""
         if self._cp_deferred is not None:
@@ -187,6 +187,7 @@ class CPDPOTrainerMixin(CPTrainerMixin):
         with _swapped(acc, prepare=prepare, gather_for_metrics=self._gather_per_group):
             return super()._precompute_ref_logps(dataset, name, batch_size)
 
-    def compute_loss(self, model, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
+    def compute_loss(self, model: torch.nn.Module, inputs: dict, return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None) -> Any:
         """TRL's DPO loss (the hooks make its forwards CP forwards), not CPTrainerMixin's causal-LM share."""
         return super(CPTrainerMixin, self).compute_loss(model, inputs, return_outputs, num_items_in_batch)

@@ -167,6 +167,10 @@ class CPTrainerMixin:
         # TRL's SFTTrainer logs entropy, mean_token_accuracy and num_tokens from its own compute_loss, which this
         # class replaces: they are computed here instead, over the CP group (see _log_sft_metrics)
         self._cp_sft = any(c.__name__ == "SFTTrainer" and c.__module__.startswith("trl.") for c in type(self).__mro__)
+        if type(self).compute_loss is CPTrainerMixin.compute_loss and any(
+                c.__name__ == "DPOTrainer" and c.__module__.startswith("trl.") for c in type(self).__mro__):
+            raise TypeError("CPTrainerMixin computes a causal-LM loss; for trl.DPOTrainer use longdoc.hf."
+                            "CPDPOTrainerMixin (class T(CPDPOTrainerMixin, DPOTrainer))")
 
     @staticmethod
     def _refuse_unsupported(training_args, kwargs: dict) -> None:

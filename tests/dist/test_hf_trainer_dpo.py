@@ -2,8 +2,9 @@
 
 One spawn of 2 ranks; every case runs inside it. Float64 tiny Llama: CP changes only the summation order of
 attention (its softmax blocks merge in fp32), so relative 1e-5 is far above that and far below a real mismatch.
-SGD, so the final parameters compare like the gradients. Rewards are differences of nearly equal log-probs (exactly 0 at step 1, where policy = reference), so they are
-held to the log-probs' scale: |diff| <= 1e-5 * (1 + beta * |logps|).
+SGD, so the final parameters compare like the gradients. Rewards are differences of nearly equal log-probs
+(exactly 0 at step 1, where policy = reference), so they are held to the log-probs' scale:
+|diff| <= 1e-5 * (1 + beta * |logps|).
 """
 
 from __future__ import annotations
