@@ -58,8 +58,8 @@ def _errors(name: str, rank: int, got: dict, ref: dict) -> list[str]:
     return errors
 
 
-def test_cp2_dpo_equals_single_process(tmp_path, cases: dict | None = None):
-    cases = CASES if cases is None else cases
+def check_cases(tmp_path, cases: dict) -> None:
+    """Run `cases` at cp=2 (one spawn) and as plain DPOTrainer here; assert every logged value and parameter."""
     results = run_ranks(2, _cases_on_ranks, cases, str(tmp_path / "cp2"), deadline=300, pg_timeout=200)
     errors = []
     for name, case in cases.items():
@@ -68,3 +68,7 @@ def test_cp2_dpo_equals_single_process(tmp_path, cases: dict | None = None):
         for rank, res in enumerate(results):
             errors += _errors(name, rank, res[name], ref)
     assert not errors, "\n".join(errors)
+
+
+def test_cp2_dpo_equals_single_process(tmp_path):
+    check_cases(tmp_path, CASES)
