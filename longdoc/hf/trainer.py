@@ -144,6 +144,10 @@ class CPTrainerMixin:
             raise ValueError(f"cp_loss_chunk_tokens must be None (sized from the vocabulary), 0 (full logits) or a "
                              f"positive number of tokens, got {cp_loss_chunk_tokens!r}")
         self._cp_loss_chunk = cp_loss_chunk_tokens
+        if type(self).compute_loss is CPTrainerMixin.compute_loss and any(
+                c.__name__ == "DPOTrainer" and c.__module__.startswith("trl.") for c in type(self).__mro__):
+            raise TypeError("CPTrainerMixin computes a causal-LM loss; for trl.DPOTrainer use longdoc.hf."
+                            "CPDPOTrainerMixin (class T(CPDPOTrainerMixin, DPOTrainer))")
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         self._refuse_unsupported(training_args, kwargs)
         if training_args is not None:
@@ -167,10 +171,6 @@ class CPTrainerMixin:
         # TRL's SFTTrainer logs entropy, mean_token_accuracy and num_tokens from its own compute_loss, which this
         # class replaces: they are computed here instead, over the CP group (see _log_sft_metrics)
         self._cp_sft = any(c.__name__ == "SFTTrainer" and c.__module__.startswith("trl.") for c in type(self).__mro__)
-        if type(self).compute_loss is CPTrainerMixin.compute_loss and any(
-                c.__name__ == "DPOTrainer" and c.__module__.startswith("trl.") for c in type(self).__mro__):
-            raise TypeError("CPTrainerMixin computes a causal-LM loss; for trl.DPOTrainer use longdoc.hf."
-                            "CPDPOTrainerMixin (class T(CPDPOTrainerMixin, DPOTrainer))")
 
     @staticmethod
     def _refuse_unsupported(training_args, kwargs: dict) -> None:

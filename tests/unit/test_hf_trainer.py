@@ -76,3 +76,18 @@ def test_batches_cp_cannot_run_exactly_are_refused(tmp_path):
     # the loss-token count is the one shard_batch uses: shifted, padding never counts
     n = trainer._get_num_items_in_batch([batch], torch.device("cpu"))
     assert int(n) == int((batch["labels"][:, 1:] != -100).sum())
+
+
+def test_dpo_needs_its_own_mixin_and_a_checked_trl():
+    from transformers import Trainer
+    from trl import DPOTrainer
+
+    from longdoc.hf.dpo_trainer import CPDPOTrainerMixin, check_trl_version
+
+    with pytest.raises(TypeError, match=r"for trl.DPOTrainer use longdoc.hf.CPDPOTrainerMixin"):
+        type("T", (CPTrainerMixin, DPOTrainer), {})(model=None)
+    with pytest.raises(TypeError, match=r"goes in front of trl.DPOTrainer"):
+        type("T", (CPDPOTrainerMixin, Trainer), {})(model=None)
+    check_trl_version()  # the installed TRL is the one this was written for
+    with pytest.raises(RuntimeError, match=r"written for TRL 1.16.0.*got trl 9.0.0.*TESTED_TRL"):
+        check_trl_version("9.0.0")
