@@ -38,8 +38,9 @@ def _on_disk(dataset, path: str):
     return load_from_disk(path)
 
 
-def run_dpo(case: dict, out: str, cp_size: int | None) -> dict:
-    """Train `case` for 2 steps (then evaluate); cp_size None: plain trl.DPOTrainer in this process."""
+def run_dpo(case: dict, out: str, cp_size: int | None, dp: int = 1) -> dict:
+    """Train `case` for 2 steps (then evaluate); cp_size None: plain trl.DPOTrainer in this process, its train batch
+    times dp so that the global batch matches."""
     from datasets import Dataset
     from peft import LoraConfig, get_peft_model
     from trl import DPOConfig, DPOTrainer
@@ -58,7 +59,8 @@ def run_dpo(case: dict, out: str, cp_size: int | None) -> dict:
     args = DPOConfig(output_dir=out, max_steps=2, learning_rate=case.get("lr", 1e-2), lr_scheduler_type="constant",
                      optim="sgd",  # the step is lr x gradient: parameters compare like gradients (Adam divides by
                      # sqrt(v) + eps, which turns a 1e-12 gradient difference on a ~eps gradient into a visible one)
-                     per_device_train_batch_size=case["batch"], gradient_accumulation_steps=case["accum"],
+                     per_device_train_batch_size=case["batch"] * (dp if cp_size is None else 1),
+                     gradient_accumulation_steps=case["accum"],
                      per_device_eval_batch_size=2, logging_steps=1, report_to="none", use_cpu=True, seed=0,
                      bf16=False, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, max_length=None,
                      beta=0.1, loss_type=case.get("loss_type", ["sigmoid"]), ld_alpha=case.get("ld_alpha"),
