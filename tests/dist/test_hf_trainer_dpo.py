@@ -1,10 +1,10 @@
 """TRL DPOTrainer with CPDPOTrainerMixin at cp=2 logs and trains what plain DPOTrainer does in one process.
 
-One spawn per world size (2 ranks: cp=2, every case inside it; 4 ranks: dp=2 x cp=2, one case), ~25 s each. Float64 tiny Llama: CP changes only the summation order of
-attention (its softmax blocks merge in fp32), so relative 1e-5 is far above that and far below a real mismatch.
-SGD, so the final parameters compare like the gradients. Rewards are differences of nearly equal log-probs
-(exactly 0 at step 1, where policy = reference), so they are held to the log-probs' scale:
-|diff| <= 1e-5 * (1 + beta * |logps|).
+One spawn per world size (2 ranks: cp=2, every case inside it; 4 ranks: dp=2 x cp=2, one case), ~25 s each.
+Float64 tiny Llama: CP changes only the summation order of attention (its softmax blocks merge in fp32), so
+relative 1e-5 is far above that and far below a real mismatch. SGD, so the final parameters compare like the
+gradients. Rewards are differences of nearly equal log-probs (exactly 0 at step 1, where policy = reference), so
+they are held to the log-probs' scale: |diff| <= 1e-5 * (1 + beta * |logps|).
 """
 
 from __future__ import annotations
