@@ -16,6 +16,9 @@ TRL's `_compute_loss` then runs unchanged on every CP rank: per-sequence sums, `
 weights, rewards/*, logps/*, logits/*, entropy and mean_token_accuracy are one process's. The policy, the reference
 (the adapter-disabled policy, or `ref_model`, patched too) and `precompute_ref_log_probs` all go through the hooks.
 
+The one-process tensors are a few numbers per token (never per vocabulary entry): what grows with the sequence
+times the hidden size or the vocabulary stays sharded.
+
 Gradients: cp.sum's backward sums every rank's gradient, so each rank's local tokens get cp x the gradient of the one
 (replicated) loss; DDP's average over dp x cp ranks then gives plain DDP's mean over the dp replicas.
 Refused by name under CP: the MoE router auxiliary loss (router_aux_loss_coef), vision batches, FSDP with
@@ -107,14 +110,19 @@ def _attach(model: torch.nn.Module, cp, pad_id: int) -> None:
 
 @contextlib.contextmanager
 def _swapped(obj: Any, **attrs: Any):
-    """Instance attributes replaced for one call, then removed (the class's methods show through again)."""
+    """Instance attributes replaced for one call, then restored (or removed, so the class's methods show again)."""
+    missing = object()
+    saved = {name: obj.__dict__.get(name, missing) for name in attrs}
     for name, value in attrs.items():
         setattr(obj, name, value)
     try:
         yield
     finally:
-        for name in attrs:
-            obj.__dict__.pop(name, None)
+        for name, value in saved.items():
+            if value is missing:
+                obj.__dict__.pop(name, None)
+            else:
+                setattr(obj, name, value)
 
 
 class CPDPOTrainerMixin(CPTrainerMixin):
