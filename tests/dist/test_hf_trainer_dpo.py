@@ -19,8 +19,9 @@ REL = 1e-5
 BETA = 0.1
 
 CASES = {
-    # LoRA: the reference is the adapter-disabled policy; sigmoid loss, 2 micro-batches per step
-    "lora-sigmoid": {"batch": 2, "accum": 2},
+    # LoRA: the reference is the adapter-disabled policy; sigmoid loss, 2 micro-batches per step, gradient
+    # checkpointing (the layers recomputed in backward run CP attention again; TRL turns it off for the reference)
+    "lora-sigmoid": {"batch": 2, "accum": 2, "checkpointing": True},
     # full fine-tuning against a separate reference model (patched too); IPO and WPO-free ld_alpha use per-token
     # masks and completion lengths, and sft uses the chosen tokens' mean
     "ref-model-ipo-sft-ld": {"batch": 2, "accum": 1, "lora": False, "loss_type": ["ipo", "sft"], "ld_alpha": 0.5,

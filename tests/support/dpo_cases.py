@@ -64,7 +64,8 @@ def run_dpo(case: dict, out: str, cp_size: int | None, dp: int = 1) -> dict:
                      per_device_eval_batch_size=2, logging_steps=1, report_to="none", use_cpu=True, seed=0,
                      bf16=False, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, max_length=None,
                      beta=0.1, loss_type=case.get("loss_type", ["sigmoid"]), ld_alpha=case.get("ld_alpha"),
-                     precompute_ref_log_probs=case.get("precompute", False))
+                     precompute_ref_log_probs=case.get("precompute", False),
+                     gradient_checkpointing=case.get("checkpointing", False))
     train, evals = Dataset.from_list(preference_rows(0)), Dataset.from_list(preference_rows(1, 4))
     if case.get("precompute"):
         train, evals = _on_disk(train, f"{out}/train"), _on_disk(evals, f"{out}/eval")
