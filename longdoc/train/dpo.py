@@ -54,7 +54,7 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/acc
 class PairTargets(NamedTuple):
     """This rank's answer tokens: the local logit that predicts each, and where its log-probability is summed."""
 
-    index: torch.Tensor  # (n,) flat index into the local (batch * local_len) positions of the predicting logit
+    logit: torch.Tensor  # (n,) flat index into the local (batch * local_len) positions of the predicting logit
     token: torch.Tensor  # (n,) the predicted token id
     slot: torch.Tensor  # (n,) side * pairs + pair: row 0 chosen, row 1 rejected of the (2, pairs) sums
     lengths: torch.Tensor  # (2, pairs) float64: every pair's chosen and rejected token counts (whole sequence)

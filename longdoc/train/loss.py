@@ -18,6 +18,8 @@ its forwards (micro-batches of every replica).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -162,7 +164,7 @@ class LossModel(nn.Module):
             h, ref = self.hidden(input_ids, position_ids, keep_logits=True)
             ref = ref.float()
             return (ref - self.head(h).float()).abs().max(), ref.abs().max()
-        where = {"cu_seq_lens": cu_seq_lens, "row_lengths": row_lengths, "branches": branches}
+        where: dict[str, Any] = {"cu_seq_lens": cu_seq_lens, "row_lengths": row_lengths, "branches": branches}
         h, _ = self.hidden(input_ids, position_ids, **where)
         if dpo is not None:
             return dpo_share(self, h, dpo, lambda: self.hidden(input_ids, position_ids, **where)[0])

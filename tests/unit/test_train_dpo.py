@@ -35,9 +35,9 @@ def test_every_answer_token_is_predicted_once_and_rejected_first_from_the_prompt
     t = pair_targets({"input_ids": torch.tensor(r["input_ids"])[None], "branches": [r["branches"]]},
                      longdoc.ContextParallel())
     assert t.lengths.tolist() == [[5, 1], [6, 7]]
-    assert int(t.index.numel()) == 5 + 6 + 1 + 7
+    assert int(t.logit.numel()) == 5 + 6 + 1 + 7
     rejected_first = (t.slot == 2 + 0) & (t.token == r["input_ids"][12])
-    assert t.index[rejected_first].tolist() == [6]  # the prompt's last position, not chosen's last (11)
+    assert t.logit[rejected_first].tolist() == [6]  # the prompt's last position, not chosen's last (11)
 
 
 def _trl_dpo(chosen, rejected, ref_c, ref_r, beta):
