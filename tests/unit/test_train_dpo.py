@@ -91,3 +91,42 @@ def test_simpo_loss_and_rewards_equal_trl_cpo():
     losses, c, r = CPOTrainer.cpo_loss(fake, logps[0] / lengths[0], logps[1] / lengths[1])
     assert torch.allclose(pl.losses, losses, rtol=1e-12) and torch.allclose(pl.chosen_rewards, c, rtol=1e-12)
     assert torch.allclose(pl.rejected_rewards, r, rtol=1e-12)
+
+
+def test_a_padded_micro_batch_gives_each_rows_own_sums_and_the_cache_returns_them():
+    """Two rows of different lengths (right-padded, as dpo_step.collate_pairs makes them) give the (2, pairs) sums of
+    each row run alone; the reference cache hands a row's sums back only when every row of the batch has them."""
+    from longdoc.parallel.batch import ROW_LENGTHS
+    from longdoc.parallel.batch_branches import BRANCHES
+    from longdoc.train.dpo import DpoBatch
+    from longdoc.train.dpo_step import ReferenceCache
+    from longdoc.train.loss import LossModel
+
+    cp = longdoc.ContextParallel()
+    model = lora_model(cp, dtype=torch.float64)
+    long, short = row(11), row(12)
+    short = {"input_ids": short["input_ids"][:18], "labels": short["labels"][:18], "branches": [short["branches"][0]]}
+
+    def sums(batch):
+        local = cp.shard_batch(batch)
+        lengths = local.get(ROW_LENGTHS)
+        with torch.no_grad():
+            _, stats = LossModel(model, 7)(local["input_ids"], local["position_ids"],
+                                           cu_seq_lens=local["cu_seq_lens_q"], row_lengths=lengths,
+                                           branches=local[BRANCHES],
+                                           dpo=DpoBatch(pair_targets(batch, cp), "sigmoid", BETA, 0.0, 3, cp))
+        return stats
+
+    def one(r):
+        return {"input_ids": torch.tensor(r["input_ids"])[None], "branches": [r["branches"]]}
+
+    ids = torch.zeros(2, 32, dtype=torch.long)
+    ids[0], ids[1, :18] = torch.tensor(long["input_ids"]), torch.tensor(short["input_ids"])
+    mask = (torch.arange(32) < torch.tensor([[32], [18]])).long()
+    both = sums({"input_ids": ids, "attention_mask": mask, "branches": [long["branches"], short["branches"]]})
+    alone = torch.cat([sums(one(long)), sums(one(short))], dim=1)
+    torch.testing.assert_close(both, alone, rtol=1e-7, atol=1e-7)
+    cache = ReferenceCache()
+    cache.put([5, 9], [2, 1], both[2:])
+    assert cache.get([5, 7]) is None and torch.equal(cache.get([9, 5]), both[2:][:, [2, 0, 1]])
+    assert ReferenceCache(enabled=False).get([5]) is None
