@@ -1,8 +1,11 @@
 """Preference tuning (DPO, SimPO) on shared-prefix rows under context parallelism: each rank's part of every pair's
 chosen and rejected log-probability, summed over the CP group, and the preference losses as TRL defines them.
 
+    local = cp.shard_batch(full_batch)                        # input_ids, labels, branches (one row of spans each)
     targets = pair_targets(full_batch, cp)                    # which local logit predicts which answer token
-    share, stats = loss_model(..., branches=local["longdoc_branches"], dpo=DpoBatch(targets, cfg, n_pairs, cp))
+    dpo = DpoBatch(targets, "sigmoid", beta, 0.0, pairs_in_the_step, cp)
+    share, stats = loss_model(local["input_ids"], local["position_ids"], cu_seq_lens=local["cu_seq_lens_q"],
+                              branches=local["longdoc_branches"], dpo=dpo)   # LossModel, longdoc.train.loss
 
 A row is [prompt | chosen | rejected] per pair (longdoc.corpus.preference). The prompt's last position predicts
 two tokens, chosen's first AND rejected's first, so no shifted label vector holds every target; cp.shard_batch's

@@ -134,10 +134,11 @@ class LossModel(nn.Module):
 
     def base(self):
         """A context manager under which the model is the frozen base: the LoRA adapters (and peft's
-        modules_to_save copies) disabled. The KL term needs it; full fine-tuning has no frozen base."""
+        modules_to_save copies) disabled. The KL term and sigmoid DPO's reference need it; full fine-tuning has no
+        frozen base."""
         if not hasattr(self.model, "disable_adapter"):
-            raise ValueError("a KL term toward the base model needs LoRA (lora.enabled): the base is the model with "
-                             "its adapters disabled")
+            raise ValueError("a KL term toward the base model, or the reference of sigmoid DPO, needs LoRA "
+                             "(lora.enabled): the base is the model with its adapters disabled")
         return self.model.disable_adapter()
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor | None = None,
