@@ -1,0 +1,198 @@
+"""`longdoc ask` at cp=1 (tiny random model, offline tokenizer): --question answers from one prefill equal plain
+greedy decoding of the same prompt, bad input is one line and exit 2 before any weights load, a document past
+the model's context is refused naming the RoPE extension, and the interactive prompt answers, stops one answer
+on Ctrl-C and ends on Ctrl-D."""
+
+from __future__ import annotations
+
+import builtins
+import sys
+import time
+
+import pytest
+import torch
+
+from longdoc.cli import main
+from tests.support.document_files import mixed_folder
+
+MODEL = "tiny:llama"
+QUESTIONS = ["Who was admitted, and when?", "What does the clerk do on Monday?"]
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    made = mixed_folder(tmp_path_factory.mktemp("docs"))
+    return [str(made["txt"]), str(made["docx"])]
+
+
+@pytest.fixture(scope="module")
+def reference(files):
+    """The answers of plain greedy decoding (full forward per token, no cache, no CP) of each question's prompt:
+    the document prefix `longdoc eval qa` uses and the question suffix."""
+    from longdoc import models
+    from longdoc.ask.answer import answer_text
+    from longdoc.eval.data import read_texts
+    from longdoc.eval.prompts import Prompter
+
+    model, tok = models.load(MODEL)
+    prompter = Prompter(tok)
+    prefix = prompter.prefix("\n\n".join(t.strip() for t in read_texts(files)))
+    out = []
+    for q in QUESTIONS:
+        ids = torch.tensor([prefix + prompter.suffix(q)])
+        new: list[int] = []
+        with torch.no_grad():
+            for _ in range(NEW):
+                new.append(int(model(input_ids=torch.cat([ids, torch.tensor([new], dtype=torch.long)], 1)
+                                     ).logits[0, -1].argmax()))
+                if new[-1] in prompter.stop_ids():
+                    break
+        out.append(answer_text(prompter, new))
+    return {"answers": out, "tokens": len(prefix)}
+
+
+def _answers(stdout: str) -> list[str]:
+    return [line[3:] for line in stdout.splitlines() if line.startswith("A: ")]
+
+
+def test_questions_are_answered_from_one_prefill(files, reference, capsys, monkeypatch):
+    from longdoc.hf.session import KVSession
+
+    prefills = []
+    real = KVSession.prefill
+    monkeypatch.setattr(KVSession, "prefill", lambda self, ids: prefills.append(ids.shape) or real(self, ids))
+    for batch in ("16", "1"):  # decoded together as branches of the prefill, then one at a time with rollback
+        args = ["ask", MODEL, *files, "--max-new-tokens", str(NEW), "--threads", "1", "--batch", batch]
+        assert main([*args, *(x for q in QUESTIONS for x in ("--question", q))]) == 0
+        out, err = capsys.readouterr()
+        assert _answers(out) == reference["answers"], out
+        assert [line for line in out.splitlines() if line.startswith("Q: ")] == [f"Q: {q}" for q in QUESTIONS]
+        assert err.startswith(f"prefill: {reference['tokens']:,} tokens in ") and err.endswith(" s (cp=1)\n"), err
+    assert prefills == [(1, reference["tokens"])] * 2  # one prefill per run, shared by both questions
+
+
+@pytest.fixture()
+def no_model(monkeypatch):
+    """Fail the test if weights load or ranks start."""
+    import longdoc.eval.runner
+    import longdoc.runtime.spawn
+
+    monkeypatch.setattr(longdoc.eval.runner, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(longdoc.runtime.spawn, "run_local", lambda *a, **k: pytest.fail("the ranks started"))
+
+
+def _refused(capsys, *args: str) -> str:
+    assert main(["ask", *args], catch=True) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("longdoc ask: error: "), err
+    return err
+
+
+def test_bad_files_are_one_line_and_exit_2_before_any_model_loads(files, tmp_path, capsys, no_model):
+    folder = mixed_folder(tmp_path / "more")
+    err = _refused(capsys, MODEL, files[0], str(tmp_path / "missing.txt"), "--question", "q", "--cp", "2")
+    assert "missing.txt does not exist" in err
+    assert "unknown file type '.png'" in _refused(capsys, MODEL, str(folder["png"]), "--question", "q")
+    broken = tmp_path / "broken.docx"
+    broken.write_bytes(b"PK\x03\x04 not really a zip")
+    assert "broken.docx: not a readable" in _refused(capsys, MODEL, str(broken))
+    assert "--question is empty" in _refused(capsys, MODEL, files[0], "--question", " ")
+    assert "unknown tiny architecture" in _refused(capsys, "tiny:lama", files[0])
+
+
+@pytest.fixture(scope="module")
+def short_model(tmp_path_factory):
+    """A tiny model folder whose context is 256 positions (no RoPE scaling)."""
+    from longdoc import models
+
+    folder = tmp_path_factory.mktemp("m") / "short"
+    model, tok = models.load(MODEL, max_position_embeddings=256)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+def test_a_document_past_the_context_is_refused_naming_the_rope_extension(short_model, tmp_path, capsys,
+                                                                          monkeypatch):
+    long = tmp_path / "long.txt"
+    long.write_text(" ".join(f"On day {i} the clerk docketed filing {i * 7 % 31}." for i in range(25)))
+    with monkeypatch.context() as m:
+        import longdoc.eval.runner
+
+        m.setattr(longdoc.eval.runner, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+        err = _refused(capsys, short_model, str(long), "--question", "Which filing on day 3?", "--cp", "2")
+    assert "long.txt: the document's prompt of" in err and "exceeds the model's context (256 tokens)" in err
+    assert "--rope-type yarn --rope-factor 2" in err, err
+    # the fix it names works
+    assert main(["ask", short_model, str(long), "--question", "Which filing on day 3?", "--max-new-tokens", "4",
+                 "--rope-type", "yarn", "--rope-factor", "2", "--threads", "1"]) == 0
+    assert len(_answers(capsys.readouterr().out)) == 1
+
+
+class _Keyboard:
+    """stdout whose first write of an answer raises KeyboardInterrupt (Ctrl-C while it streams), once."""
+
+    def __init__(self, out) -> None:
+        self.out, self.armed = out, False
+
+    def write(self, text: str) -> int:
+        if self.armed and text.strip():
+            self.armed = False
+            raise KeyboardInterrupt
+        return self.out.write(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+def _typed(lines: list[str], on_read=None):
+    """A fake `input`: the lines, then Ctrl-D (EOFError)."""
+    feed = iter(lines)
+
+    def read(prompt: str = "") -> str:
+        if on_read is not None:
+            on_read()
+        try:
+            return next(feed)
+        except StopIteration:
+            raise EOFError from None
+
+    return read
+
+
+def test_the_prompt_answers_streams_and_ends_on_ctrl_d(files, reference, capsys, monkeypatch):
+    monkeypatch.setattr(builtins, "input", _typed([QUESTIONS[0], "   ", QUESTIONS[1]]))
+    assert main(["ask", MODEL, *files, "--max-new-tokens", str(NEW), "--threads", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "".join(f"{a}\n" for a in reference["answers"]) + "\n", out  # the blank line: Ctrl-D's newline
+    assert err.startswith(f"prefill: {reference['tokens']:,} tokens in "), err
+
+
+def test_ctrl_c_stops_one_answer_and_the_prompt_goes_on(files, reference, capsys, monkeypatch):
+    from longdoc.hf.session import KVSession
+
+    real, steps, at_prompt = KVSession.extend, [0], []
+
+    def slow(self, ids, keep=1):  # decode steps slow enough for the interrupt to land mid-answer
+        if ids.shape[-1] == 1:
+            steps[0] += 1
+            time.sleep(0.05)
+        return real(self, ids, keep)
+
+    def prompt() -> None:
+        at_prompt.append(steps[0])
+        stdout.armed = len(at_prompt) == 1  # Ctrl-C during the first answer only
+
+    monkeypatch.setattr(KVSession, "extend", slow)
+    stdout = _Keyboard(sys.stdout)
+    monkeypatch.setattr(builtins, "input", _typed(QUESTIONS, prompt))
+    monkeypatch.setattr(sys, "stdout", stdout)
+    assert main(["ask", MODEL, *files, "--max-new-tokens", "24", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    first, second, end = out.split("\n")[:3]
+    assert first.endswith(" [stopped]") and at_prompt[1] < 8, (out, at_prompt)  # stopped within a few tokens
+    # the second answer is whole (23 decode steps after its first token, unless it ended) and right: the stopped
+    # one left nothing behind in the cache; its first 8 tokens are the reference's answer
+    assert second.startswith(reference["answers"][1]) and end == "", out
+    assert at_prompt[2] - at_prompt[1] == 23 or len(second) < len(reference["answers"][1]) + 5, (out, at_prompt)
