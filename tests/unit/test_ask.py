@@ -190,9 +190,10 @@ def test_ctrl_c_stops_one_answer_and_the_prompt_goes_on(files, reference, capsys
     monkeypatch.setattr(sys, "stdout", stdout)
     assert main(["ask", MODEL, *files, "--max-new-tokens", "24", "--threads", "1"]) == 0
     out = capsys.readouterr().out
-    first, second, end = out.split("\n")[:3]
-    assert first.endswith(" [stopped]") and at_prompt[1] < 8, (out, at_prompt)  # stopped within a few tokens
+    first, rest = out.split(" [stopped]\n")  # answers may hold newlines of their own
+    second = rest[:-2].strip()
+    assert at_prompt[1] < 8 and rest.endswith("\n\n"), (out, at_prompt)  # stopped within a few tokens
     # the second answer is whole (23 decode steps after its first token, unless it ended) and right: the stopped
     # one left nothing behind in the cache; its first 8 tokens are the reference's answer
-    assert second.startswith(reference["answers"][1]) and end == "", out
+    assert second.startswith(reference["answers"][1]), out
     assert at_prompt[2] - at_prompt[1] == 23 or len(second) < len(reference["answers"][1]) + 5, (out, at_prompt)
