@@ -197,3 +197,27 @@ def test_ctrl_c_stops_one_answer_and_the_prompt_goes_on(files, reference, capsys
     # one left nothing behind in the cache; its first 8 tokens are the reference's answer
     assert second.startswith(reference["answers"][1]), out
     assert at_prompt[2] - at_prompt[1] == 23 or len(second) < len(reference["answers"][1]) + 5, (out, at_prompt)
+
+
+def test_a_question_past_the_context_is_refused_and_the_prompt_goes_on(short_model, tmp_path, capsys, monkeypatch):
+    doc = tmp_path / "doc.txt"
+    doc.write_text(" ".join(f"On day {i} the clerk docketed filing {i * 7 % 31}." for i in range(12)))
+    long_question = "Which filings were docketed " + " and ".join(f"on day {i}" for i in range(40)) + "?"
+    monkeypatch.setattr(builtins, "input", _typed([long_question, "Which filing on day 3?"]))
+    assert main(["ask", short_model, str(doc), "--max-new-tokens", "4", "--threads", "1"]) == 0
+    out, err = capsys.readouterr()
+    refusals = [line for line in err.splitlines() if line.startswith("longdoc ask: ")]
+    assert len(refusals) == 1 and "do not fit the model's context (256 tokens)" in refusals[0], err
+    assert out.count("\n") == 2 and out.strip(), out  # the short question's answer, then Ctrl-D's newline
+
+
+def test_an_error_on_the_ranks_ends_the_prompt_with_one_line(files, capsys, monkeypatch):
+    from longdoc.hf.session import KVSession
+
+    def refuse(self, ids):
+        raise ValueError("this model cannot prefill here")
+
+    monkeypatch.setattr(KVSession, "prefill", refuse)
+    monkeypatch.setattr(builtins, "input", _typed([QUESTIONS[0]]))
+    assert main(["ask", MODEL, *files, "--threads", "1"], catch=True) == 2
+    assert capsys.readouterr().err == "longdoc ask: error: this model cannot prefill here\n"
