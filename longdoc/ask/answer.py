@@ -1,5 +1,6 @@
-"""What every rank of `longdoc ask` runs (longdoc.ask.cli starts them through longdoc.eval.runner): load the model,
-prefill the document once under CP, then answer the --question list, or serve the interactive prompt
+"""What every rank of `longdoc ask` runs: load the model, prefill the document once under CP, answer.
+
+longdoc.ask.cli starts the ranks through longdoc.eval.runner; without --question they serve the interactive prompt
 (longdoc.ask.console)."""
 
 from __future__ import annotations

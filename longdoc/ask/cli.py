@@ -1,5 +1,6 @@
-"""`longdoc ask MODEL FILE... [--question Q ...] [--cp N]`: ask questions about your own documents.
+"""`longdoc ask`: questions about your own documents, answered from one context-parallel prefill.
 
+    longdoc ask MODEL FILE [FILE ...] [--question Q ...] [--cp N]
     longdoc ask SmolLM2-135M-Instruct contract.pdf --question "Where is the Supplier based?" --question "Who pays?"
     longdoc ask runs/mine/pretrain/final my_contracts/ --cp 2        # a prompt: answers streamed, Ctrl-D quits
     longdoc ask SmolLM2-135M-Instruct long_report.docx --rope-type yarn --rope-factor 2 --cp 4   # past 8k tokens
