@@ -5,9 +5,10 @@ The FRONT owns the terminal, in the main thread of the process the user started:
 it is generated. Ctrl-C there, while an answer streams, sets the relay's interrupt flag; Ctrl-D sends the end.
 The RANKS run in a background thread of that process (--cp 1, and rank 0 under a launcher) or as spawned local
 processes (--cp N), which ignore SIGINT: Ctrl-C reaches every process of the terminal, and a rank stopped in the
-middle of a collective would leave its peers hanging. Rank 0 passes each line to the other ranks (`next_line`),
-and every generated token the ranks agree whether to stop (rank 0's interrupt flag, one tiny all-reduce), so all
-of them stop at the same token and roll back to the document's prefill.
+middle of a collective would leave its peers hanging. The front's other threads block SIGINT, so that the signal
+always wakes the main thread, even at the prompt (`sigint_blocked`). Rank 0 passes each line to the other ranks
+(`next_line`), and every generated token the ranks agree whether to stop (rank 0's interrupt flag, one tiny
+all-reduce), so all of them stop at the same token and roll back to the document's prefill.
 """
 
 from __future__ import annotations
@@ -16,13 +17,18 @@ import queue
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from longdoc.eval.prompts import Prompter
+from longdoc.eval.runner import check_context, run
+from longdoc.hf.session import KVSession
 from longdoc.parallel import comm
+from longdoc.parallel.api import ContextParallel
 
 HEARTBEAT = 2.0  # seconds rank 0 waits for a line before telling the other ranks to keep waiting (collective timeout)
 _WAIT, _END = -2, -1  # what rank 0 sends instead of a line's length
@@ -59,32 +65,30 @@ def ignore_interrupts() -> None:
 
 # ---- the ranks' side ----
 
-def serve(session: Any, prompter: Any, relay: Relay | None, cfg: dict[str, Any], info: dict[str, Any]) -> None:
-    """Answer every line the front sends, until it sends the end (every rank calls this; rank 0 with the relay)."""
+def serve(session: KVSession, prompter: Prompter, relay: Relay | None, cfg: dict[str, Any],
+          info: dict[str, Any]) -> None:
+    """Answer every line the front sends, until it sends the end (every rank calls this; rank 0 with the relay).
+    A question that does not fit the model's context after the document is refused in one line, identically on
+    every rank (the line is), and the prompt goes on."""
     device = session.state.key_positions.device
     if relay is not None:
         relay.events.put(("ready", info))
     while (line := next_line(session.cp, relay, device)) is not None:
         suffix = prompter.suffix(line)
-        limit = _context(session.hf)
-        if limit is not None and session.length + len(suffix) + cfg["max_new_tokens"] > limit:
+        try:
+            check_context(session.model, session.length + len(suffix) + cfg["max_new_tokens"],
+                          f"the question ({len(suffix)} tokens) and an answer of up to {cfg['max_new_tokens']} after "
+                          f"the document's {session.length}")
+        except ValueError as e:
             if relay is not None:
-                relay.events.put(("error", f"the question ({len(suffix)} tokens) and an answer of up to "
-                                           f"{cfg['max_new_tokens']} do not fit the model's context ({limit} "
-                                           f"tokens) after the document's {session.length}; ask a shorter one"))
+                relay.events.put(("error", str(e)))
             continue
         stopped = stream_answer(session, prompter, relay, suffix, cfg["max_new_tokens"], device)
         if relay is not None:
             relay.events.put(("done", "stopped" if stopped else ""))
 
 
-def _context(hf: Any) -> int | None:
-    config = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
-    limit = getattr(config, "max_position_embeddings", None)
-    return int(limit) if limit is not None else None
-
-
-def next_line(cp: Any, relay: Relay | None, device: torch.device) -> str | None:
+def next_line(cp: ContextParallel, relay: Relay | None, device: torch.device) -> str | None:
     """The front's next line on every rank (None at the end): rank 0 reads it from the relay and sends it to the
     others; while the user types, it tells them every HEARTBEAT seconds to keep waiting, so an idle prompt never
     runs into the collectives' timeout."""
@@ -103,7 +107,7 @@ def next_line(cp: Any, relay: Relay | None, device: torch.device) -> str | None:
             return None if code == _END else data.decode("utf-8")
 
 
-def _from_rank0(cp: Any, device: torch.device, code: int, data: bytes) -> tuple[int, bytes]:
+def _from_rank0(cp: ContextParallel, device: torch.device, code: int, data: bytes) -> tuple[int, bytes]:
     """Rank 0's (code, bytes) on every rank: sums in which the other ranks add zeros."""
     where = cp.comm_device(device)
     mine = torch.tensor([code if cp.rank == 0 else 0], dtype=torch.int64, device=where)
@@ -116,23 +120,26 @@ def _from_rank0(cp: Any, device: torch.device, code: int, data: bytes) -> tuple[
 
 
 class Stream:
-    """Rank 0's incremental detokenizer, as transformers' TextStreamer: after each token, the text not sent yet
-    (held back while it ends in an incomplete character), up to the first stop token."""
+    """Rank 0's incremental detokenizer, as transformers' TextStreamer: after each token, the text not sent yet (held
+    back while it ends in an incomplete character), up to the first stop token; after a line ends it decodes from
+    there on, so a long answer is not decoded again from its start at every token."""
 
-    def __init__(self, prompter: Any, send: Callable[[str], None]) -> None:
-        self.prompter, self.send, self.sent = prompter, send, 0
+    def __init__(self, prompter: Prompter, send: Callable[[str], None]) -> None:
+        self.prompter, self.send = prompter, send
         self.stops = set(prompter.stop_ids())
+        self.start, self.sent = 0, 0  # first id of the current line, its characters sent
 
     def push(self, ids: list[int]) -> None:
         cut = next((i for i, t in enumerate(ids) if t in self.stops), len(ids))
-        text = self.prompter.tok.decode(ids[:cut], skip_special_tokens=True).lstrip()
+        text = self.prompter.tok.decode(ids[self.start:cut], skip_special_tokens=True)
+        text = text.lstrip() if self.start == 0 else text  # an answer starts at its first visible character
         if text.endswith("\ufffd") or len(text) <= self.sent:
             return
         self.send(text[self.sent:])
-        self.sent = len(text)
+        self.start, self.sent = (cut, 0) if text.endswith("\n") else (self.start, len(text))
 
 
-def stream_answer(session: Any, prompter: Any, relay: Relay | None, suffix: list[int], max_new_tokens: int,
+def stream_answer(session: KVSession, prompter: Prompter, relay: Relay | None, suffix: list[int], max_new_tokens: int,
                   device: torch.device) -> bool:
     """Greedy answer after `suffix`, streamed by rank 0 token by token; stops early on every rank at the same
     token once rank 0's interrupt flag is set. The session is rolled back to where it was. Returns whether the
@@ -182,7 +189,6 @@ class _Ranks(threading.Thread):
 def interactive(cfg: dict[str, Any], job: Callable[..., Any]) -> int:
     """The prompt in this thread, the ranks of `job` in the background (--cp N: spawned local processes; else this
     process's rank in a thread). Under a launcher rank 0 is the front and the other ranks only run `job`."""
-    from longdoc.eval.runner import run
     from longdoc.runtime.launch import launched_world
 
     world = launched_world()
@@ -192,7 +198,8 @@ def interactive(cfg: dict[str, Any], job: Callable[..., Any]) -> int:
     spawned = not world.launched and int(cfg.get("cp", 1)) > 1
     relay = Relay.make(torch.multiprocessing.get_context("spawn") if spawned else None)
     ranks = _Ranks(run, job, {**cfg, "relay": relay})
-    ranks.start()
+    with sigint_blocked():
+        ranks.start()
     try:
         front(relay, ranks)
     except KeyboardInterrupt:  # while loading and prefilling: there is no answer to stop yet
@@ -215,10 +222,28 @@ def front(relay: Relay, ranks: threading.Thread) -> None:
         if not line.strip():
             continue
         relay.interrupt.clear()
-        relay.lines.put(line)
+        with sigint_blocked():
+            relay.lines.put(line)
         if not _stream(relay, ranks):
             return
-    relay.lines.put(None)
+    with sigint_blocked():
+        relay.lines.put(None)
+
+
+@contextmanager
+def sigint_blocked() -> Iterator[None]:
+    """SIGINT blocked in this thread for the block, so that threads started in it (the ranks' thread, the feeder
+    thread a multiprocessing queue starts on its first put) inherit the mask. Ctrl-C then reaches the main thread
+    only: the kernel may hand a process's signal to any thread that does not block it, and one given to another
+    thread would not wake `input()`'s wait at the prompt."""
+    if not hasattr(signal, "pthread_sigmask"):  # not POSIX: nothing to do
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _line_editing() -> None:

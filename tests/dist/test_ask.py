@@ -73,3 +73,52 @@ def test_the_prompt_at_cp2_streams_stops_on_ctrl_c_and_ends_on_ctrl_d(files, cap
     assert len(first) < len(full[0]) and rest.endswith("\n\n"), (out, full)
     assert rest[:-2].strip() == full[1], (out, full)  # whole, and as at cp=1: both ranks rolled back alike
     assert "(cp=2)" in err, err
+
+
+def _terminal(argv: list[str]):
+    """`argv` in a pseudo-terminal: (write bytes, read until a predicate holds, wait for the exit status)."""
+    import os
+    import pty
+    import select
+    import time
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the command, as a user's shell starts it
+        os.execv(argv[0], argv)
+    seen = bytearray()
+
+    def until(pred, timeout: float) -> bool:
+        end = time.time() + timeout
+        while not pred(bytes(seen)) and time.time() < end:
+            if select.select([fd], [], [], 0.1)[0]:
+                try:
+                    chunk = os.read(fd, 4096)
+                except OSError:  # the command ended
+                    return pred(bytes(seen))
+                seen.extend(chunk)
+        return pred(bytes(seen))
+
+    def status() -> int:
+        until(lambda b: False, 5)
+        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+    return (lambda data: os.write(fd, data)), until, status, seen
+
+
+@pytest.mark.slow  # a real terminal at cp=2: about 30 s on 2 busy cores
+def test_ctrl_c_in_a_real_terminal_stops_the_answer_on_both_ranks(files):
+    """Ctrl-C in a terminal is SIGINT to every process of its foreground group, the spawned ranks included: they
+    ignore it, the front stops the answer, the prompt goes on; Ctrl-C at the prompt starts a fresh line."""
+    write, until, status, seen = _terminal([sys.executable, "-m", "longdoc", "ask", MODEL, *files, "--cp", "2",
+                                            "--max-new-tokens", "5000", *COMMON])
+    prompt = lambda b: b.rstrip().endswith(b">")  # noqa: E731
+    assert until(prompt, 180) and b"(cp=2)" in seen, bytes(seen)
+    write(QUESTIONS[0].encode() + b"\n")
+    asked = QUESTIONS[0].encode() + b"\r\n"  # echoed by the terminal, then the answer streams
+    assert until(lambda b: asked in b and len(b.split(asked)[-1].strip()) > 20, 60), bytes(seen)
+    write(b"\x03")
+    assert until(lambda b: b.rstrip().endswith(b"[stopped]\r\n>"), 60), bytes(seen)
+    write(b"\x03")  # at the prompt
+    assert until(lambda b: b.rstrip().endswith(b"[stopped]\r\n> \r\n>"), 30), bytes(seen)
+    write(b"\x04")
+    assert status() == 0 and b"Traceback" not in seen, bytes(seen)

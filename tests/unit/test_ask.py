@@ -207,7 +207,8 @@ def test_a_question_past_the_context_is_refused_and_the_prompt_goes_on(short_mod
     assert main(["ask", short_model, str(doc), "--max-new-tokens", "4", "--threads", "1"]) == 0
     out, err = capsys.readouterr()
     refusals = [line for line in err.splitlines() if line.startswith("longdoc ask: ")]
-    assert len(refusals) == 1 and "do not fit the model's context (256 tokens)" in refusals[0], err
+    assert len(refusals) == 1 and "exceeds the model's context (256 tokens)" in refusals[0], err
+    assert "--rope-type yarn --rope-factor 2" in refusals[0], err
     assert out.count("\n") == 2 and out.strip(), out  # the short question's answer, then Ctrl-D's newline
 
 
@@ -221,3 +222,21 @@ def test_an_error_on_the_ranks_ends_the_prompt_with_one_line(files, capsys, monk
     monkeypatch.setattr(builtins, "input", _typed([QUESTIONS[0]]))
     assert main(["ask", MODEL, *files, "--threads", "1"], catch=True) == 2
     assert capsys.readouterr().err == "longdoc ask: error: this model cannot prefill here\n"
+
+
+def test_the_stream_sends_every_character_once():
+    """Token by token, across line ends and characters split over several tokens, the pieces rank 0 sends make
+    the answer's text (from its first visible character, up to the first stop token)."""
+    from longdoc import models
+    from longdoc.ask.console import Stream
+    from longdoc.eval.prompts import Prompter
+
+    prompter = Prompter(models.load_tokenizer(MODEL))
+    text = "  Café au lait\nnaïve — 東京 🚀\n\nend"
+    ids = prompter.tok(text, add_special_tokens=False)["input_ids"]
+    ids += [prompter.stop_ids()[0], *ids[:3]]  # after a stop token nothing more is sent
+    sent: list[str] = []
+    stream = Stream(prompter, sent.append)
+    for n in range(1, len(ids) + 1):
+        stream.push(ids[:n])
+    assert "".join(sent) == text.lstrip() and len(sent) > 5, sent
