@@ -240,3 +240,31 @@ def test_the_stream_sends_every_character_once():
     for n in range(1, len(ids) + 1):
         stream.push(ids[:n])
     assert "".join(sent) == text.lstrip() and len(sent) > 5, sent
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral-window"])  # branches; a window: one question at a time
+def test_greedy_each_continues_every_suffix_from_one_prefill(arch):
+    """longdoc.hf.branches.greedy_each, ask's decoder for --question: each suffix's greedy tokens over the one
+    prefill equal plain greedy decoding of prefix + suffix, and the session is left at the prefix."""
+    import longdoc
+    from longdoc.hf.branches import greedy_each
+    from longdoc.hf.session import KVSession
+    from longdoc.models import tiny_model
+
+    model = tiny_model(arch).eval()
+    gen = torch.Generator().manual_seed(0)
+    prefix = torch.randint(3, 256, (1, 70), generator=gen)  # past the window of 32
+    suffixes = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 9, 1)]
+    with KVSession(model, longdoc.ContextParallel()) as session:
+        session.prefill(prefix)
+        assert (session.branch_problem() is None) == (arch == "llama")
+        got = greedy_each(session, suffixes, 6, eos_token_id=[])
+        assert session.length == prefix.shape[1]
+    for suffix, tokens in zip(suffixes, got):
+        ids = torch.cat([prefix, torch.tensor([suffix])], 1)
+        want = []
+        with torch.no_grad():
+            for _ in range(6):
+                want.append(int(model(input_ids=ids).logits[0, -1].argmax()))
+                ids = torch.cat([ids, torch.tensor([[want[-1]]])], 1)
+        assert tokens == want, (suffix, tokens, want)
