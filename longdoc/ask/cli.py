@@ -18,7 +18,8 @@ stderr (`prefill: 12,345 tokens in 3.2 s (cp=2)`), the answers to stdout.
 
 Bad input is found before any rank starts or any weights load, and is one line on stderr with exit status 2: a
 missing or unreadable file, an unsupported file type, a document longer than the model's context (the line
-names the --rope-type/--rope-factor that fits it).
+names the --rope-type/--rope-factor that fits it). --skip-bad leaves out the files longdoc cannot read and names
+each on stderr instead.
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=_positive, default=16,
                    help="--question answers decoded together over the one prefill; 1 decodes them one at a time "
                         "(same answers up to rounding) (default: %(default)s)")
+    p.add_argument("--skip-bad", action="store_true",
+                   help="leave out files longdoc cannot read (an image in a folder, a scanned PDF without text) and "
+                        "name each on stderr, as `longdoc data prepare --skip-bad` does, instead of stopping at the "
+                        "first")
     common_args(p, model=False, out=False)
     p.set_defaults(func=_run)
 
@@ -62,8 +67,10 @@ def prepare(cfg: dict[str, Any]) -> dict[str, Any]:
     """`cfg` with the document's prompt ids ("prefix_ids"), after every check that needs no weights: the files
     exist and read, the questions are not empty, the prompt plus question and answer fit the model's context."""
     from longdoc import models
+    from longdoc.corpus.ingest import Skips
     from longdoc.eval.data import read_texts
     from longdoc.eval.prompts import Prompter
+    from longdoc.runtime.launch import launched_world
 
     for path in cfg["files"]:
         if not Path(path).exists():
@@ -71,9 +78,14 @@ def prepare(cfg: dict[str, Any]) -> dict[str, Any]:
     questions = cfg.get("question") or []
     if any(not q.strip() for q in questions):
         raise ValueError("--question is empty; give the question's text, e.g. --question \"Who signed it?\"")
-    document = "\n\n".join(t.strip() for t in read_texts(list(cfg["files"])) if t.strip())
+    skips = Skips() if cfg.get("skip_bad") else None
+    document = "\n\n".join(t.strip() for t in read_texts(list(cfg["files"]), skips=skips) if t.strip())
     if not document:
-        raise ValueError(f"{', '.join(cfg['files'])}: no text to ask about (a scanned PDF without a text layer?)")
+        raise ValueError(f"{_names(cfg['files'])}: no text to ask about"
+                         + (f" ({skips.summary()})" if skips is not None and skips.total else ""))
+    if skips is not None and launched_world().is_main:  # every rank of a launcher reads them: one of them says so
+        for message in skips.messages:
+            print(f"longdoc ask: skipped {message}", file=sys.stderr)
     prompter = Prompter(models.load_tokenizer(cfg["model"]), chat=cfg.get("chat"))
     prefix = prompter.prefix(document)
     asked = max((len(prompter.suffix(q)) for q in questions), default=0) + cfg["max_new_tokens"]

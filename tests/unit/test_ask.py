@@ -268,3 +268,14 @@ def test_greedy_each_continues_every_suffix_from_one_prefill(arch):
                 want.append(int(model(input_ids=ids).logits[0, -1].argmax()))
                 ids = torch.cat([ids, torch.tensor([[want[-1]]])], 1)
         assert tokens == want, (suffix, tokens, want)
+
+
+def test_skip_bad_leaves_out_what_cannot_be_read_and_names_it(tmp_path, capsys):
+    folder = mixed_folder(tmp_path / "docs")["png"].parent  # a PDF, a DOCX, an HTML, a text file and an image
+    assert "scan.png" in _refused(capsys, MODEL, str(folder), "--question", "Where?")
+    assert main(["ask", MODEL, str(folder), "--skip-bad", "--question", "Where?", "--max-new-tokens", "2",
+                 "--threads", "1"]) == 0
+    out, err = capsys.readouterr()
+    skipped = [line for line in err.splitlines() if line.startswith("longdoc ask: skipped ")]
+    assert len(skipped) == 1 and "scan.png" in skipped[0] and "prefill: " in err, err
+    assert len(_answers(out)) == 1, out
