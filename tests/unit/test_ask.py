@@ -188,15 +188,15 @@ def test_ctrl_c_stops_one_answer_and_the_prompt_goes_on(files, reference, capsys
     stdout = _Keyboard(sys.stdout)
     monkeypatch.setattr(builtins, "input", _typed(QUESTIONS, prompt))
     monkeypatch.setattr(sys, "stdout", stdout)
-    assert main(["ask", MODEL, *files, "--max-new-tokens", "24", "--threads", "1"]) == 0
+    assert main(["ask", MODEL, *files, "--max-new-tokens", "12", "--threads", "1"]) == 0
     out = capsys.readouterr().out
     first, rest = out.split(" [stopped]\n")  # answers may hold newlines of their own
     second = rest[:-2].strip()
     assert at_prompt[1] < 8 and rest.endswith("\n\n"), (out, at_prompt)  # stopped within a few tokens
-    # the second answer is whole (23 decode steps after its first token, unless it ended) and right: the stopped
+    # the second answer is whole (11 decode steps after its first token, unless it ended) and right: the stopped
     # one left nothing behind in the cache; its first 8 tokens are the reference's answer
     assert second.startswith(reference["answers"][1]), out
-    assert at_prompt[2] - at_prompt[1] == 23 or len(second) < len(reference["answers"][1]) + 5, (out, at_prompt)
+    assert at_prompt[2] - at_prompt[1] == 11 or len(second) < len(reference["answers"][1]) + 5, (out, at_prompt)
 
 
 def test_a_question_past_the_context_is_refused_and_the_prompt_goes_on(short_model, tmp_path, capsys, monkeypatch):
@@ -253,18 +253,18 @@ def test_greedy_each_continues_every_suffix_from_one_prefill(arch):
 
     model = tiny_model(arch).eval()
     gen = torch.Generator().manual_seed(0)
-    prefix = torch.randint(3, 256, (1, 70), generator=gen)  # past the window of 32
+    prefix = torch.randint(3, 256, (1, 40), generator=gen)  # past the window of 32
     suffixes = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 9, 1)]
     with KVSession(model, longdoc.ContextParallel()) as session:
         session.prefill(prefix)
         assert (session.branch_problem() is None) == (arch == "llama")
-        got = greedy_each(session, suffixes, 6, eos_token_id=[])
+        got = greedy_each(session, suffixes, 4, eos_token_id=[])
         assert session.length == prefix.shape[1]
     for suffix, tokens in zip(suffixes, got):
         ids = torch.cat([prefix, torch.tensor([suffix])], 1)
         want = []
         with torch.no_grad():
-            for _ in range(6):
+            for _ in range(4):
                 want.append(int(model(input_ids=ids).logits[0, -1].argmax()))
                 ids = torch.cat([ids, torch.tensor([[want[-1]]])], 1)
         assert tokens == want, (suffix, tokens, want)
