@@ -1,4 +1,4 @@
-"""`longdoc data synth`, `longdoc data prepare` and `longdoc data rehearse`.
+"""`longdoc data synth`, `prepare`, `plant`, `pairs` and `rehearse`.
 
     longdoc data synth --domain legal --num-docs 4 --tokens 32768 --seed 0 --out legal.jsonl
     longdoc data synth --domain legal --num-docs 8 --tokens 4096 --chat --out legal-chat.jsonl   # conversations
@@ -7,6 +7,8 @@
     longdoc data prepare notes/ --task pretrain --target-tokens 65536 --skip-bad --out notes.parquet
     longdoc data prepare chats.jsonl --task chat --target-tokens 32768 --pack --out chats.parquet
     longdoc data rehearse --model SmolLM2-135M-Instruct --samples 64 --out runs/data/rehearsal.jsonl
+    longdoc data pairs legal.jsonl --chat --out legal-pairs.jsonl      # preference pairs (longdoc.corpus.pairs)
+    longdoc data prepare legal-pairs.jsonl --task preference --target-tokens 32768 --out pairs.parquet
 
 Heavy imports (tokenizers, datasets) happen inside the handlers so `longdoc --help` stays fast.
 """
@@ -24,7 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("data", help="generate synthetic documents or tokenize a corpus",
                        description="Documents in, token sequences out. See data/README.md for the formats.")
     verbs = p.add_subparsers(dest="data_verb", metavar="COMMAND", required=True)
-    for add in (_add_synth, _add_prepare, _add_plant, _add_rehearse):
+    for add in (_add_synth, _add_prepare, _add_plant, _add_pairs, _add_rehearse):
         add(verbs)
 
 
@@ -56,16 +58,18 @@ def _add_prepare(verbs: argparse._SubParsersAction) -> None:
     q.add_argument("inputs", nargs="+", help="data files, documents (.txt/.md/.pdf/.docx/.html) and folders of "
                    "them, or hub dataset ids")
     q.add_argument("--out", required=True, help="a .jsonl or .parquet file, or a folder (save_to_disk)")
-    q.add_argument("--task", choices=["pretrain", "qa", "chat"], default="pretrain",
+    q.add_argument("--task", choices=["pretrain", "qa", "chat", "preference"], default="pretrain",
                    help="pretrain: whole documents; qa: document + question -> answer; chat: conversations "
-                        "(messages [{role, content}] or ShareGPT conversations) in the model's chat template "
-                        "(default pretrain)")
+                        "(messages [{role, content}] or ShareGPT conversations) in the model's chat template; "
+                        "preference: prompt/chosen/rejected pairs (TRL's text or conversational format) as "
+                        "shared-prefix rows (default pretrain)")
     q.add_argument("--tokenizer", default=None, help="model name or path (default: SmolLM2-135M-Instruct)")
     q.add_argument("--target-tokens", type=cliargs.length, default=32768,
                    help="row length (default 32768, up to 1048576; 32k and 1M work too)")
     q.add_argument("--overlap", type=int, default=None, help="overlap of windows over long documents "
                    "(default: target/8)")
-    q.add_argument("--pack", action="store_true", help="pack short documents into one row (pretrain, chat; off by "
+    q.add_argument("--pack", action="store_true", help="pack short documents into one row (pretrain, chat, "
+                   "preference; off by "
                    "default; under `longdoc train` each document attends only to itself and keeps its own positions)")
     q.add_argument("--loss-on", choices=["assistant", "all"], default="assistant", help="chat: loss on the "
                    "assistant turns only (default) or on every token")
@@ -115,6 +119,28 @@ def _add_plant(verbs: argparse._SubParsersAction) -> None:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", required=True, help="output .jsonl file")
     t.set_defaults(func=_plant)
+
+
+def _add_pairs(verbs: argparse._SubParsersAction) -> None:
+    t = verbs.add_parser("pairs", help="preference pairs from QA records: the gold answer chosen, a wrong one rejected",
+                         description="One {prompt, chosen, rejected} row per question of QA records (`longdoc data "
+                                     "synth` output, or any file `data prepare --task qa` reads): chosen is the gold "
+                                     "answer, rejected another value of the same document (a value written where the "
+                                     "answer is written, or the answer of a neighbouring question of the same kind), "
+                                     "or with --model that model's own wrong answer (longdoc.corpus.pairs). "
+                                     "Tokenize the output with `data prepare --task preference`.")
+    t.add_argument("inputs", nargs="+", help="QA records (.jsonl and what `data prepare --task qa` reads)")
+    t.add_argument("--out", required=True, help="output .jsonl file")
+    t.add_argument("--chat", action="store_true", help="write TRL's conversational format (message lists) instead "
+                   "of the text format")
+    t.add_argument("--model", default=None, help="on-policy: the rejected answer is this model's own (wrong) answer")
+    t.add_argument("--temperature", type=float, default=0.0, help="with --model: 0 decodes greedily (default), "
+                   "above 0 samples once per question")
+    t.add_argument("--seed", type=int, default=0, help="with --model and --temperature: the sampling seed")
+    t.add_argument("--max-new-tokens", type=int, default=32, help="with --model: answer length (default: %(default)s)")
+    t.add_argument("--skip-bad", action="store_true", help="skip bad records and questions and name them at the "
+                   "end, as `data prepare --skip-bad` does")
+    t.set_defaults(func=_pairs)
 
 
 def _add_rehearse(verbs: argparse._SubParsersAction) -> None:
@@ -204,6 +230,44 @@ def _plant_inputs(args: argparse.Namespace) -> list[dict]:
         raise ValueError(f"no document of {' '.join(args.input)} holds a window of {args.windows} tokens; pass "
                          f"longer documents or a smaller --windows")
     return records
+
+
+def _pairs(args: argparse.Namespace) -> int:
+    from longdoc.corpus import pairs
+    from longdoc.corpus.ingest import CorpusError, Skips, read_documents
+    from longdoc.corpus.synth import write_jsonl
+
+    skips = Skips() if args.skip_bad else None
+    t0 = time.perf_counter()
+    try:
+        if args.temperature < 0 or args.max_new_tokens < 1:
+            raise ValueError(f"--temperature must be >= 0 and --max-new-tokens >= 1, got {args.temperature} and "
+                             f"{args.max_new_tokens}")
+        records = list(read_documents(args.inputs, task="qa", keep=pairs.KEEP, skips=skips))
+        if not records:
+            raise ValueError(f"{' '.join(args.inputs)} holds no usable QA records"
+                             + (f" ({skips.summary()})" if skips is not None else ""))
+        answers = None
+        if args.model:
+            from longdoc import models
+
+            model, tokenizer = models.load(args.model)
+            answers = pairs.model_answers(model.eval(), tokenizer, records, max_new_tokens=args.max_new_tokens,
+                                          temperature=args.temperature, seed=args.seed, chat=args.chat)
+        rows, made, skipped = pairs.build(records, chat=args.chat, answers=answers)
+    except (CorpusError, ValueError, OSError) as e:
+        print(f"longdoc data pairs: {e}", file=sys.stderr)
+        return 2
+    write_jsonl(rows, args.out)
+    print(f"wrote {len(rows)} pairs ({'conversational' if args.chat else 'text'} format) from {len(records)} "
+          f"documents to {args.out} in {time.perf_counter() - t0:.1f}s")
+    print(pairs.counts_line(made, skipped))
+    if skips is not None:
+        print(skips.report(), file=sys.stderr if skips.total else sys.stdout)
+    if not rows:
+        print("longdoc data pairs: no pair made (see the counts above)", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _rehearse(args: argparse.Namespace) -> int:

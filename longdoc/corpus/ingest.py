@@ -14,6 +14,8 @@ Normalized records:
               ([{title, level, start}], DOCX/HTML headings) for documents read from those files
     qa:       {"doc_id", "source", "document", "qas": [{"qa_id", "question", "answer", "kind", "spans"}]}
     chat:     {"doc_id", "source", "messages": [{"role", "content"}]} (longdoc.corpus.chat)
+    preference: {"doc_id", "source", "prompt", "chosen", "rejected"}, strings or message lists
+              (longdoc.corpus.preference)
 `spans` are [start, end) character spans of the answer's evidence in the document: the record's own
 evidence when it has some (offsets, or its text found in the document), else the first occurrence of the answer.
 Text is found up to case and whitespace: "principal place of business" matches "Principal\nplace of  business"
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from longdoc.corpus.chat import ChatError, messages_of
+from longdoc.corpus.preference import pair_of
 
 # Files, folders and hub ids are read in longdoc.corpus.sources; its names are re-exported here, where callers
 # have always imported them from.
@@ -46,7 +49,7 @@ from longdoc.corpus.sources import looks_like_path as looks_like_path
 from longdoc.corpus.sources import raw_records as _raw_records
 from longdoc.corpus.sources import utf8_error as _utf8_error
 
-TASKS = ("pretrain", "qa", "chat")
+TASKS = ("pretrain", "qa", "chat", "preference")
 _TEXT_FIELDS = ("text", "document", "content")
 
 
@@ -118,6 +121,12 @@ def read_documents(inputs: list[str | Path | dict], task: str = "pretrain", fiel
                 except ChatError as e:
                     raise CorpusError(where, e.problem, e.fix, e.reason) from None
                 yield {**_kept(raw, keep), "doc_id": _doc_id(raw, fields, where), "source": where, "messages": messages}
+            elif task == "preference":  # prompt / chosen / rejected: longdoc.corpus.preference
+                try:
+                    pair = pair_of(raw)
+                except ChatError as e:
+                    raise CorpusError(where, e.problem, e.fix, e.reason) from None
+                yield {**_kept(raw, keep), "doc_id": _doc_id(raw, fields, where), "source": where, **pair}
             else:
                 yield _qa_record(raw, fields, where, skips, keep)
         except CorpusError as err:

@@ -29,6 +29,10 @@ row). See data/README.md for the details.
   loss on the assistant turns (`chat_loss="assistant"`, default) or on every token ("all"); a conversation
   longer than the target loses content of its other turns, longest first, from the `truncation` side, never
   a trained assistant turn; `pack=True` packs short conversations. See longdoc.corpus.chat.
+- preference: prompt / chosen / rejected pairs (TRL's text or conversational format), one shared-prefix row
+  [prompt | chosen | rejected] per pair (`pack=True`: several pairs a row), with `branches` and positions of
+  rejected continuing from the prompt; a pair longer than the target is an error (a counted skip with `skips`).
+  See longdoc.corpus.preference for the row schema and how a loss must pair its logits and labels.
 Tokenization runs in `datasets.map` with `num_proc` workers; results are cached under `cache_dir`
 keyed by the inputs' content, the tokenizer and every option, so a rerun loads from the cache.
 """
@@ -44,6 +48,7 @@ from typing import Any
 from longdoc.corpus import tokens as tk
 from longdoc.corpus.chat import LOSS_ON, TRUNCATION, chat_rows
 from longdoc.corpus.ingest import CorpusError, Fields, Skips, read_documents
+from longdoc.corpus.preference import preference_rows, to_column
 from longdoc.corpus.qa_format import INSTRUCTION, qa_turns
 from longdoc.corpus.windows import evidence_pieces, pack_rows, pretrain_rows, qa_turns_row, segment_row
 
@@ -58,8 +63,8 @@ def prepare(inputs: str | Path | list, tokenizer: Any = None, *, task: str = "pr
             cache_dir: str | Path | None = None, split: str = "train", seed: int = 0, add_eos: bool = True,
             use_chat_template: bool | None = None, batch_size: int = 64, questions_per_row: int | None = None,
             epochs: int = 1, chat_loss: str = "assistant", truncation: str = "left"):
-    """Tokenized rows for `task` ("pretrain" | "qa" | "chat"); bad input raises `CorpusError` unless `skips` is
-    given, which then counts what was left out (see `Skips.summary`)."""
+    """Tokenized rows for `task` ("pretrain" | "qa" | "chat" | "preference"); bad input raises `CorpusError`
+    unless `skips` is given, which then counts what was left out (see `Skips.summary`)."""
     import datasets
 
     if not 64 <= target_tokens <= MAX_TARGET:
@@ -88,15 +93,17 @@ def prepare(inputs: str | Path | list, tokenizer: Any = None, *, task: str = "pr
     cache = Path(cache_dir) if cache_dir else Path(datasets.config.HF_DATASETS_CACHE) / "longdoc"
     cache.mkdir(parents=True, exist_ok=True)
     fingerprint = _fingerprint(records, tok, options)[:40]  # datasets appends shard suffixes; <= 64 chars
-    ds = datasets.Dataset.from_list(records)
+    # preference pairs are strings or message lists: one JSON column gives every row one type
+    ds = datasets.Dataset.from_list([to_column(r) for r in records] if task == "preference" else records)
     ds = ds.map(_rows, batched=True, batch_size=batch_size, num_proc=num_proc if num_proc > 1 else None,
                 remove_columns=ds.column_names, fn_kwargs={"tokenizer": tok, **options},
                 cache_file_name=str(cache / f"prepare-{fingerprint[:20]}.arrow"), new_fingerprint=fingerprint,
                 desc=f"tokenizing ({task})")
     errors = ds["error"]
-    for message in (e for e in errors if e):
-        err = CorpusError(*message.split(": ", 1), reason="conversation does not fit" if task == "chat" else
-                          "evidence does not fit")
+    default = {"chat": "conversation does not fit", "qa": "evidence does not fit"}.get(task, "does not fit")
+    reasons = ds["error_reason"] if "error_reason" in ds.column_names else [""] * len(errors)
+    for message, reason in ((e, r) for e, r in zip(errors, reasons) if e):
+        err = CorpusError(*message.split(": ", 1), reason=reason or default)
         if skips is None:
             raise err
         skips.add(err)
@@ -105,7 +112,7 @@ def prepare(inputs: str | Path | list, tokenizer: Any = None, *, task: str = "pr
     if len(ds) == 0:
         raise CorpusError(", ".join(map(str, inputs))[:200], "no rows left: " + (skips.summary() if skips else
                                                                                  "no document gave a row"))
-    return ds.remove_columns("error")
+    return ds.remove_columns([c for c in ("error", "error_reason") if c in ds.column_names])
 
 
 def save(ds: Any, out: str | Path) -> str:
@@ -136,7 +143,9 @@ def _rows(batch: dict[str, list], tokenizer: Any, task: str, target: int, overla
           add_eos: bool, seed: int, use_chat_template: bool | None, questions_per_row: int | None,
           epochs: int, chat_loss: str, truncation: str) -> dict[str, list]:
     rows: list[dict[str, Any]] = []
-    if task == "chat":
+    if task == "preference":
+        rows = preference_rows(tokenizer, batch["pair"], batch["doc_id"], batch["source"], target, pack)
+    elif task == "chat":
         rows = chat_rows(tokenizer, batch["messages"], batch["doc_id"], batch["source"], target, chat_loss,
                          truncation, pack)
     elif task == "pretrain":

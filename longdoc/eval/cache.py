@@ -5,7 +5,9 @@ on what went in. Each (model, task) is keyed by the SHA-256 of
   - the model's files (every file of its folder; the default model's converted folder; `tiny:` names by name),
   - every input file or folder the task's settings name (data, haystacks), by content,
   - the task's settings themselves (all of them but where to write and how many threads), the CP size included,
-  - the longdoc, torch and transformers versions,
+  - the longdoc, torch and transformers versions, and the source of the code that decides what an evaluation asks
+    and how it scores (longdoc/eval and the document generator, longdoc/corpus/synth): a changed needle sentence
+    or metric is a new key even before a version bump,
 and its result is kept as JSON in the cache folder (default ~/.cache/longdoc/eval, or $XDG_CACHE_HOME/longdoc/eval;
 `--cache-dir DIR`, `--no-cache`). A hub id that is not a local folder is never cached: its content is unknown here.
 Only a process that decides for every rank uses the cache (the spawning parent, or one process alone): under a
@@ -61,6 +63,17 @@ def _inputs(value: Any) -> list[str]:
     return [_files_digest(Path(v)) for v in values if isinstance(v, str) and v and os.path.exists(v)]
 
 
+def source_digest() -> str:
+    """SHA-256 over the evaluation code's source files (longdoc/eval, longdoc/corpus/synth), memoised."""
+    if ("source",) not in _digests:
+        root = Path(__file__).resolve().parents[1]
+        h = hashlib.sha256()
+        for p in sorted([*(root / "eval").rglob("*.py"), *(root / "corpus" / "synth").rglob("*.py")]):
+            h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes())
+        _digests[("source",)] = h.hexdigest()
+    return _digests[("source",)]
+
+
 def key(model: str, cfg: dict[str, Any]) -> str | None:
     """The cache key of `cfg` (one task's settings) on `model`, None when the model's content is unknown."""
     import torch
@@ -74,7 +87,8 @@ def key(model: str, cfg: dict[str, Any]) -> str | None:
     settings = {k: v for k, v in sorted(cfg.items()) if k not in _VOLATILE}
     inputs = {k: digests for k, digests in ((k, _inputs(v)) for k, v in settings.items()) if digests}
     blob = json.dumps({"model": digest, "settings": settings, "inputs": inputs,
-                       "versions": [longdoc.__version__, torch.__version__, transformers.__version__]},
+                       "versions": [longdoc.__version__, torch.__version__, transformers.__version__],
+                       "source": source_digest()},
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 

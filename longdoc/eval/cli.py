@@ -103,7 +103,9 @@ def _skip_bad(p: argparse.ArgumentParser, what: str) -> None:
 
 
 def _needle_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--domain", default="legal", choices=("legal", "medical"), help="filler text domain")
+    p.add_argument("--domain", default="legal", choices=("legal", "medical", "general"),
+                   help="the needle sentences and the generated filler: legal or medical; general: ten sentences "
+                        "about everyday things, on --haystack (your own text; the set `eval guard` plants)")
     p.add_argument("--lengths", type=cliargs.lengths, default=[1024, 2048, 4096],
                    help="context lengths, e.g. 1k,2k,4k (needle; in compare also ruler's)")
     p.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths in [0, 1]")

@@ -37,20 +37,32 @@ CI_LEVEL = 0.95
 
 
 def paired_bootstrap(a: Sequence[float], b: Sequence[float], samples: int = BOOTSTRAP_SAMPLES, level: float = CI_LEVEL,
-                     seed: int = 0) -> dict[str, Any]:
+                     seed: int = 0, groups: Sequence[Any] | None = None) -> dict[str, Any]:
     """Mean of b[i] - a[i] and its percentile bootstrap interval over the paired items (fixed seed: the same
-    runs always give the same interval). `noise`: the interval holds 0."""
+    runs always give the same interval). `noise`: the interval holds 0. With `groups` (one label per item), whole
+    groups are resampled (a cluster bootstrap: items of one group, e.g. needle cells of one sentence, are not
+    independent), and each resample's delta is the mean over the items of the groups drawn."""
     import numpy as np
 
-    if len(a) != len(b):
-        raise ValueError(f"paired_bootstrap: {len(a)} values against {len(b)}; pair the same items on both sides")
+    if len(a) != len(b) or (groups is not None and len(groups) != len(a)):
+        raise ValueError(f"paired_bootstrap: {len(a)} values against {len(b)}"
+                         f"{'' if groups is None else f' and {len(groups)} group labels'}; pair the same items")
     d = np.asarray(b, dtype=np.float64) - np.asarray(a, dtype=np.float64)
     if d.size == 0:
         return {"n": 0, "delta": None, "low": None, "high": None, "level": level, "noise": None}
-    means = d[np.random.default_rng(seed).integers(0, d.size, size=(samples, d.size))].mean(axis=1)
+    rng = np.random.default_rng(seed)
+    if groups is None:
+        means = d[rng.integers(0, d.size, size=(samples, d.size))].mean(axis=1)
+    else:
+        labels = {g: k for k, g in enumerate(dict.fromkeys(groups))}
+        index = np.asarray([labels[g] for g in groups])
+        sums, counts = np.bincount(index, weights=d), np.bincount(index).astype(np.float64)
+        draws = rng.integers(0, len(labels), size=(samples, len(labels)))
+        means = sums[draws].sum(axis=1) / counts[draws].sum(axis=1)
     low, high = (float(x) for x in np.quantile(means, [(1 - level) / 2, (1 + level) / 2]))
-    return {"n": int(d.size), "delta": float(d.mean()), "low": low, "high": high, "level": level,
-            "noise": bool(low <= 0.0 <= high)}
+    out = {"n": int(d.size), "delta": float(d.mean()), "low": low, "high": high, "level": level,
+           "noise": bool(low <= 0.0 <= high)}
+    return out if groups is None else {**out, "groups": len(set(groups))}
 
 
 def _paired(rows_a: list[dict], rows_b: list[dict], metric: str, keep=lambda r: True) -> dict[str, Any]:

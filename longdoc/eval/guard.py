@@ -6,13 +6,16 @@
 Run it before shipping a tuned model. Both models run on the user's own held-out plain text (--text: .txt/.md/
 .pdf/.docx/.html files or a folder of them; any input `longdoc data prepare` reads), in one start of the CP ranks
 (each model loaded once; longdoc.eval.tasks.run_suite):
-  - needle (longdoc.eval.needle): a 5-digit value planted in the text over --lengths x --depths x --repeats,
-    at least 20 cells by default (1k,2k x 0,0.25,0.5,0.75,1 x 2), scored on the greedy answer;
+  - needle (longdoc.eval.needle, its "general" set): a 5-digit value planted in the text over --lengths x --depths x
+    --repeats, at least 20 cells by default (1k,2k x 0,0.25,0.5,0.75,1 x 2), scored on the greedy answer; the
+    planted sentence rotates over ten sentences about everyday things (a combination, a locker number, a postcode,
+    ...), so the default grid holds each at every length;
   - plain-text loss (longdoc.eval.position): the documents joined and cut into at most --windows windows of the
     longest length, the mean loss in --buckets position buckets of each window;
   - optionally a short RULER-style subset (--ruler-samples N per task and length; lengths of 1k or more).
 longdoc.eval.harm pairs the two sides item by item (needle cell, window x bucket, ruler sample) into paired 95%
-bootstrap intervals of tuned minus base, and decides: HARM when an interval lies entirely on the harmful side
+bootstrap intervals of tuned minus base (needle cells resampled by sentence: a harm that one sentence shows is
+not yet a harm to retrieval), and decides: HARM when an interval lies entirely on the harmful side
 beyond its tolerance - needle (and ruler) accuracy, the delta's upper bound < 0 and the drop > --needle-tolerance
 (default 0.05 absolute); plain-text loss, the relative increase's lower bound > --loss-tolerance (default 0.02,
 i.e. 2%) - and NO HARM otherwise.
@@ -80,13 +83,16 @@ def _check_options(cfg: dict[str, Any]) -> None:
 def plan(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]], list[str]]:
     """(the settings every task shares, per-task overrides, the task names) for run_suite, from the guard's
     options (`cfg`, which keeps the guard's own: tolerances, the models)."""
+    from longdoc.eval import needle
+
     _check_options(cfg)
     lengths, depths = list(cfg["lengths"]), list(cfg["depths"])
-    repeats = int(cfg.get("repeats") or math.ceil(MIN_CELLS / (len(lengths) * len(depths))))
+    repeats = int(cfg.get("repeats") or max(math.ceil(MIN_CELLS / (len(lengths) * len(depths))),
+                                            math.ceil(len(needle.NEEDLES["general"]) / len(depths))))
     path = Path(str(cfg["text"])).expanduser()
     text = str(path.resolve()) if path.exists() else str(cfg["text"])  # as the runs' configs record it
     shared = {**{k: v for k, v in cfg.items() if k not in _GUARD_ONLY}, "task": "guard", "text": text,
-              "haystack": [text], "domain": "legal", "repeats": repeats}
+              "haystack": [text], "domain": "general", "repeats": repeats}
     overrides = {"position-loss": {"pl_data": [text], "pack": True, "windows": int(cfg["windows"]),
                                    "length": max(lengths), "buckets": int(cfg["buckets"])},
                  "ruler": {"samples": cfg.get("ruler_samples"), "ruler_tasks": cfg.get("ruler_tasks") or "all"}}

@@ -2,7 +2,10 @@
 
 Both models saw the same items, so the differences pair (longdoc.eval.compare.paired_bootstrap: the mean of
 tuned minus base and its 95% percentile bootstrap interval, 10,000 resamples, fixed seed):
-  - needle: cell by cell, the same haystack, length, depth, repeat and planted value; 1 correct, 0 not;
+  - needle: cell by cell, the same haystack, length, depth, repeat, sentence and planted value; 1 correct, 0 not;
+    the bootstrap resamples whole sentences (every cell of one needle sentence together: a model that misreads
+    one sentence misreads it at every depth, so its cells are not independent, and a verdict on retrieval must
+    not hinge on one sentence);
   - plain-text loss: window by window and position bucket by position bucket (the mean loss of one bucket of one
     window of the held-out text); the interval of the loss difference is divided by the base's mean loss, so it
     reads as a relative increase. Buckets rather than whole windows because a short text has one or two windows,
@@ -46,15 +49,17 @@ def _strict(what: str, n: int, unpaired: int) -> None:
                          f"instead of its run folder to evaluate it again")
 
 
-def needle_pairs(base: dict[str, Any], tuned: dict[str, Any]) -> tuple[list[float], list[float]]:
-    """(base, tuned) correctness per needle cell, paired by length, depth, repeat and the planted value."""
+def needle_pairs(base: dict[str, Any], tuned: dict[str, Any]) -> tuple[list[float], list[float], list[str]]:
+    """(base, tuned) correctness per needle cell, paired by length, depth, repeat, question and the planted value,
+    and each cell's question (the bootstrap's cluster: the cells of one needle sentence go together)."""
     def key(c: dict) -> tuple:
-        return c["length"], c["depth"], c["repeat"], c["answer"]
+        return c["length"], c["depth"], c["repeat"], c["question"], c["answer"]
 
     twins = {key(c): c for c in base["cells"]}
-    pairs = [(float(twins[key(c)]["correct"]), float(c["correct"])) for c in tuned["cells"] if key(c) in twins]
+    pairs = [(float(twins[key(c)]["correct"]), float(c["correct"]), c["question"]) for c in tuned["cells"]
+             if key(c) in twins]
     _strict("needle cells", len(pairs), len(base["cells"]) + len(tuned["cells"]) - 2 * len(pairs))
-    return [a for a, _ in pairs], [b for _, b in pairs]
+    return [a for a, _, _ in pairs], [b for _, b, _ in pairs], [q for _, _, q in pairs]
 
 
 def loss_pairs(base: dict[str, Any], tuned: dict[str, Any]) -> tuple[list[float], list[float]]:
@@ -89,11 +94,13 @@ def ruler_pairs(base: dict[str, Any], tuned: dict[str, Any]) -> tuple[list[float
     return [x["score"] for x, _ in pairs], [y["score"] for _, y in pairs]
 
 
-def judge_accuracy(a: list[float], b: list[float], tolerance: float) -> dict[str, Any]:
-    """Accuracy (higher is better): HARM when the delta's upper bound is below 0 and the drop exceeds `tolerance`."""
+def judge_accuracy(a: list[float], b: list[float], tolerance: float, groups: list[str] | None = None
+                   ) -> dict[str, Any]:
+    """Accuracy (higher is better): HARM when the delta's upper bound is below 0 and the drop exceeds `tolerance`.
+    `groups`: the items' clusters, resampled whole (needle cells by sentence)."""
     from longdoc.eval.compare import paired_bootstrap
 
-    p = paired_bootstrap(a, b)
+    p = paired_bootstrap(a, b, groups=groups)
     harm = p["n"] > 0 and p["high"] < 0 and -p["delta"] > tolerance
     return {"kind": "accuracy", "base": _mean(a), "tuned": _mean(b), "delta": p["delta"], "low": p["low"],
             "high": p["high"], "n": p["n"], "tolerance": tolerance, "harm": bool(harm), "paired": p}
@@ -118,7 +125,8 @@ def judge(runs: dict[str, tuple[dict[str, Any], dict[str, Any]]], needle_toleran
     """The verdict over the (base, tuned) results of each task run ("needle", "position-loss", "ruler")."""
     metrics: dict[str, dict[str, Any]] = {}
     if "needle" in runs:
-        metrics["needle"] = judge_accuracy(*needle_pairs(*runs["needle"]), needle_tolerance)
+        a, b, questions = needle_pairs(*runs["needle"])
+        metrics["needle"] = judge_accuracy(a, b, needle_tolerance, groups=questions)
     if "position-loss" in runs:
         metrics["position-loss"] = judge_loss(*loss_pairs(*runs["position-loss"]), loss_tolerance)
     if "ruler" in runs:

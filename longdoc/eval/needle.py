@@ -6,12 +6,14 @@ about it, over a grid of context lengths x depths. Accuracy grid as JSON and a h
 The haystack is the user's own documents (`--haystack FILE|FOLDER`, joined in turn; with --skip-bad a file that
 cannot be read is left out and named in the report, as `data prepare --skip-bad` does) or a `longdoc data
 synth` document of the domain cut to the cell's length (its facts are
-about the case, never about the needle). The needle is one sentence with a fresh random 5-digit value
-per cell, placed at the sentence boundary at or before the requested depth; the cell's "length" is
-the document's token count with the needle in it (the prompt adds the instruction and the question).
+about the case, never about the needle). The needle is one sentence of the domain's set (NEEDLES; the sentences
+rotate over depths, then repeats: `template`) with a fresh random 5-digit value per cell, placed at the sentence
+boundary at or before the requested depth; the cell's "length" is the document's token count with the needle in
+it (the prompt adds the instruction and the question; a longer question takes its extra tokens from the
+haystack, so every prompt of a length has about one token count).
 A cell is correct when the value appears, as a whole word, in the greedy answer.
 
-Cells whose prompts have exactly the same token count (usually one length's cells with the same question) are
+Cells whose prompts have exactly the same token count (most of one length's cells) are
 decoded together, `--needle-batch` rows (default 8) in one KV session: one (rows, len) prefill and one batched
 greedy decode, so each generated token is one forward for all of them instead of one per cell. A group holds at
 most GROUP_TOKENS prompt tokens (rows x length; e.g. 8 rows at 4k, 4 at 8k, 1 at 32k and beyond), which bounds
@@ -41,7 +43,38 @@ NEEDLES = {
                  "What is the access code for the patient's records cabinet?"),
                 ("The locker number assigned to the patient's belongings is {value}.",
                  "What is the locker number assigned to the patient's belongings?")],
+    # Everyday facts for any text (the guard's set, `--domain general`: needs --haystack, the user's own text).
+    # Ten sentences, so that a verdict rests on the skill of finding a stated fact, not on how one sentence reads:
+    # half name a number, half a code, combination or id. Fixed before any tuned model was judged with them
+    # (docs/outcome/experiments.md, "The guard's needles"); no word is shared with `longdoc data plant`'s.
+    "general": [("The combination of the evidence safe in the clerk's office is {value}.",
+                 "What is the combination of the evidence safe in the clerk's office?"),
+                ("The parking permit number issued to the court reporter is {value}.",
+                 "What is the parking permit number issued to the court reporter?"),
+                ("The access code for the patient's records cabinet is {value}.",
+                 "What is the access code for the patient's records cabinet?"),
+                ("The locker number assigned to the patient's belongings is {value}.",
+                 "What is the locker number assigned to the patient's belongings?"),
+                ("The membership ID of the chess club's treasurer is {value}.",
+                 "What is the membership ID of the chess club's treasurer?"),
+                ("The tail number painted on the old seaplane is {value}.",
+                 "What is the tail number painted on the old seaplane?"),
+                ("The postcode of the lighthouse keeper's cottage is {value}.",
+                 "What is the postcode of the lighthouse keeper's cottage?"),
+                ("The jersey number worn by the goalkeeper is {value}.",
+                 "What is the jersey number worn by the goalkeeper?"),
+                ("The catalogue number of the missing museum painting is {value}.",
+                 "What is the catalogue number of the missing museum painting?"),
+                ("The voucher code printed on the bakery receipt is {value}.",
+                 "What is the voucher code printed on the bakery receipt?")],
 }
+SYNTH_DOMAINS = ("legal", "medical")  # the domains `longdoc data synth` writes haystacks for
+
+
+def template(cfg: dict[str, Any], i: int, r: int) -> int:
+    """The needle sentence of cell (depth i, repeat r): sentences rotate over depths, then repeats, so a grid of
+    len(depths) x repeats >= the set's size holds every sentence, each at every length."""
+    return (r * len(cfg["depths"]) + i) % len(NEEDLES[cfg["domain"]])
 
 
 def haystacks(domain: str, tokens: int, count: int, seed: int, tokenizer: Any,
@@ -121,18 +154,22 @@ def prompts(model: torch.nn.Module, tokenizer: Any, cfg: dict[str, Any], prompte
     """Every cell's prompt, in grid order, built and checked against the model's context before any compute."""
     domain, lengths, seed = cfg["domain"], cfg["lengths"], cfg.get("seed", 0)
     new = cfg.get("max_new_tokens", 32)
+    # A longer question takes its extra tokens from the haystack: every cell of a length then has (about) one
+    # prompt length, and cells are decoded in batches of equal lengths (`groups`) whatever their sentence.
+    asked = [len(prompter.suffix(q)) for _, q in NEEDLES[domain]]
     out = []
     for j, i, depth, r in _cells(cfg):
         length = lengths[j]
         rng = random.Random(f"needle:{domain}:{seed}:{length}:{depth}:{r}")
         value = str(rng.randrange(10000, 100000))
-        sentence, question = NEEDLES[domain][r % len(NEEDLES[domain])]
+        t = template(cfg, i, r)
+        sentence, question = NEEDLES[domain][t]
         needle = sentence.format(value=value)
-        doc, actual, n_doc = plant(stacks[r], needle, length, depth, tokenizer)
+        doc, actual, n_doc = plant(stacks[r], needle, length - (asked[t] - min(asked)), depth, tokenizer)
         ids = prompter.prefix(doc) + prompter.suffix(question)
         runner.check_context(model, len(ids) + new, f"the needle prompt for --lengths {length} ({len(ids)} tokens "
                                                     f"plus {new} new)")
-        out.append({"j": j, "i": i, "depth": depth, "repeat": r, "value": value, "needle": needle,
+        out.append({"j": j, "i": i, "depth": depth, "repeat": r, "template": t, "value": value, "needle": needle,
                     "question": question, "actual": actual, "doc_tokens": n_doc, "ids": ids})
     return out
 
@@ -171,7 +208,7 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, cp: ContextParallel, cfg: d
         prediction = prompter.decode_answer(gen)
         correct = metrics.contains_answer(prediction, p["value"])
         hits[p["i"]][p["j"]].append(correct)
-        cells.append({"length": lengths[p["j"]], "depth": p["depth"], "repeat": p["repeat"],
+        cells.append({"length": lengths[p["j"]], "depth": p["depth"], "repeat": p["repeat"], "template": p["template"],
                       "doc_tokens": p["doc_tokens"], "actual_depth": p["actual"], "prompt_tokens": len(p["ids"]),
                       "needle": p["needle"], "question": p["question"], "answer": p["value"],
                       "prediction": prediction, "correct": correct})
@@ -192,6 +229,9 @@ def task(model: torch.nn.Module, tokenizer: Any, cp: ContextParallel, cfg: dict[
 def check(cfg: dict[str, Any]) -> None:
     if cfg.get("domain") not in NEEDLES:
         raise ValueError(f"--domain must be one of {', '.join(NEEDLES)}, got {cfg.get('domain')!r}")
+    if cfg["domain"] not in SYNTH_DOMAINS and not cfg.get("haystack"):
+        raise ValueError(f"--domain {cfg['domain']} has no generated haystack: pass --haystack FILE|FOLDER (your own "
+                         f"text), or use --domain {' or '.join(SYNTH_DOMAINS)}")
     if not cfg.get("lengths") or min(cfg["lengths"]) < 64:
         raise ValueError(f"--lengths must be token counts >= 64, got {cfg.get('lengths')}")
     if not cfg.get("depths") or any(not 0 <= d <= 1 for d in cfg["depths"]):

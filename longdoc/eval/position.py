@@ -150,6 +150,9 @@ def task(model: torch.nn.Module, tokenizer: Any, cp: ContextParallel, cfg: dict[
 def check(cfg: dict[str, Any]) -> None:
     if not cfg.get("length") and not cfg.get("pl_data") and not cfg.get("texts"):
         raise ValueError("position-loss needs --data FILE.jsonl, or --length N to generate documents of N tokens")
+    if not cfg.get("pl_data") and not cfg.get("texts") and cfg.get("domain", "legal") not in ("legal", "medical"):
+        raise ValueError(f"position-loss generates legal or medical documents, not --domain {cfg['domain']}; pass "
+                         f"--data (your own text)")
     if cfg.get("length") and int(cfg["length"]) < 2 * int(cfg.get("buckets", 16)):
         raise ValueError(f"--length ({cfg.get('length')}) must be at least twice --buckets ({cfg.get('buckets')})")
     skips = Skips() if cfg.get("pack") and cfg.get("skip_bad") else None

@@ -11,12 +11,12 @@ One attention function, one per-call checker, dispatched by the handle's mode:
   "prefill"/"extend" inside a `KVSession` (longdoc.hf.session): the prompt's CP prefill, then new
                      tokens over every rank's cache shard (`longdoc.hf.decode.extend_attention`), or
   "branch"           several rows continuing one prompt (`longdoc.hf.branches.branch_attention`).
-Every layer's attention pattern goes to the CP core, read per call (`layer_pattern`): its sliding
-window (the `sliding_window` argument or the module's attribute), Llama 4's chunked attention (the
-layer's type in config.layer_types and config.attention_chunk_size: the call carries no chunk
-argument), logit soft-capping (`softcap`), attention sinks (`s_aux` / `sinks`), and, for packed
-rows, the documents the forward pre-hook read from the call's `cu_seq_lens_q` (cp.shard_batch makes
-them), and sparse indexed attention's selected keys (`indices=`, the DSA indexer's global top-k: see
+Every layer's attention pattern goes to the CP core, read per call (`layer_pattern`): its sliding window (the
+`sliding_window` argument or the module's attribute), Llama 4's chunked attention (the layer's type in
+config.layer_types and config.attention_chunk_size: the call carries no chunk argument), logit soft-capping
+(`softcap`), attention sinks (`s_aux` / `sinks`), and, for packed rows, the documents the forward pre-hook read from
+the call's `cu_seq_lens_q` (cp.shard_batch makes them) with their preference pairs (sibling branches:
+longdoc.hf.pairs), and sparse indexed attention's selected keys (`indices=`, the DSA indexer's global top-k: see
 longdoc.hf.kinds.dsa). The mask function builds nothing: those patterns are computed in global positions by
 the core, and right padding needs no mask for the tokens that count (cp.shard_batch turns left padding into
 right padding); models with indexed attention layers, whose code slices the mask for their indexer, get an
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from longdoc.hf import branches, decode, mask_probe, query_temperature
+from longdoc.hf import branches, decode, mask_probe, pairs, query_temperature
 from longdoc.hf.modelinfo import model_name, positive_int, refuse
 from longdoc.parallel.api import ContextParallel, attention
 from longdoc.parallel.batch import documents_of
@@ -81,6 +81,7 @@ class CPHandle:
         self.attention_calls = 0  # in the current forward, checked after it
         self.documents: tuple | None = None  # per row Packed of the current forward (packed rows), or None
         self.documents_from: torch.Tensor | None = None  # the cu_seq_lens_q tensor `documents` was read from
+        self.branches: tuple | None = None  # per row Branches or None of the current forward (longdoc.hf.pairs)
         self.row_lengths: torch.Tensor | None = None  # (batch,) real row lengths of a padded batch (cp.shard_batch)
         self.local_len = 0  # local tokens of the current forward
         self.ce_share: torch.Tensor | None = None  # the cross-entropy loss share of the current forward
@@ -356,10 +357,11 @@ def _train_attention(handle: CPHandle, query, key, value, scaling: float, patter
                             **pattern.kwargs())
     if docs is None:
         return run(query, key, value, selected=selected)
-    if all(d == docs[0] for d in docs):
-        return run(query, key, value, documents=docs[0], selected=selected)
+    rows = pairs.of_call(handle, cu) or (None,) * len(docs)  # preference pairs (sibling branches) per row
+    if all(d == docs[0] for d in docs) and all(r == rows[0] for r in rows):
+        return run(query, key, value, documents=docs[0], branches=rows[0], selected=selected)
     # Rows packed differently are zigzagged differently: one CP attention per row (every rank loops alike).
-    return torch.cat([run(query[b:b + 1], key[b:b + 1], value[b:b + 1], documents=docs[b],
+    return torch.cat([run(query[b:b + 1], key[b:b + 1], value[b:b + 1], documents=docs[b], branches=rows[b],
                           selected=selected[b:b + 1] if selected is not None else None)
                       for b in range(query.shape[0])], dim=0)
 

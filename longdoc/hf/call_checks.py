@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import torch
 
+from longdoc.hf import pairs
 from longdoc.hf.attention import CPHandle
 from longdoc.hf.modelinfo import rope_limit
+from longdoc.parallel import batch_branches
 from longdoc.parallel import layout as layouts
 from longdoc.parallel.batch import ROW_LENGTHS, documents_of
+from longdoc.parallel.batch_branches import BRANCHES
 
 
 def right_padded(mask: torch.Tensor) -> bool:
@@ -29,7 +32,44 @@ PADDING_FIX = ("build the local batch with cp.shard_batch: it turns left padding
                 "needs no mask) and passes no attention_mask on")
 
 
-def call_problem(handle: CPHandle, call: dict) -> tuple[str, str] | None:
+def _packed_problem(handle: CPHandle, call: dict, cu, pos: torch.Tensor, bsz: int, global_len: int,
+                    branches) -> tuple[str, str] | None:
+    """What is wrong with a packed call (documents from cu_seq_lens_q, preference pairs from `branches`), or None
+    after keeping its documents and pairs on the handle."""
+    cp = handle.cp
+    if call.get("cu_seq_lens_k") is not None and not torch.equal(call["cu_seq_lens_k"], cu):
+        return InputProblem("cu_seq_lens_k different from cu_seq_lens_q", "pass the batch cp.shard_batch made")
+    try:
+        docs = documents_of(cu, bsz, global_len)
+        for d in docs:
+            d.check(cp.size)
+    except ValueError as e:
+        return InputProblem("cu_seq_lens_q that are not the global document boundaries of this batch",
+                            f"pass the packed batch cp.shard_batch made ({e})")
+    try:
+        rows = pairs.read(branches, docs)
+    except ValueError as e:
+        return InputProblem(f"{BRANCHES} that are not this batch's preference pairs",
+                            f"pass the local batch cp.shard_batch made, unchanged ({e})")
+    expected = torch.stack([cp.shard(batch_branches.position_ids(b, d, pos.device), dim=0, documents=d)
+                            for b, d in zip(rows or [None] * len(docs), docs)])
+    if pos.shape != expected.shape or not bool((pos == expected).all()):
+        return InputProblem("position_ids that are not this rank's positions within its packed documents",
+                            "pass the position_ids made by cp.shard_batch for the packed batch")
+    unpacked = sorted({k.name for k in handle.layer_kinds if not k.packed})
+    if unpacked:
+        return (f"packed rows (documents) through its {', '.join(unpacked)} layers",
+                "those layers do not reset their state at document starts under CP yet; pass unpacked rows")
+    if rows is not None and handle.layer_kinds:
+        return (f"preference pairs (branches) through its {', '.join(sorted({k.name for k in handle.layer_kinds}))} "
+                f"layers", "only attention layers compute sibling branches under CP; pass rows without branches")
+    handle.documents, handle.documents_from = tuple(docs), cu
+    pairs.keep(handle, cu, rows)
+    return None
+
+
+def call_problem(handle: CPHandle, call: dict, branches=None) -> tuple[str, str] | None:
+    """What is wrong with the call's inputs, or None. branches: cp.shard_batch's preference pairs (batch_branches)."""
     cp = handle.cp
     x = call.get("input_ids")
     x = call.get("inputs_embeds") if x is None else x
@@ -47,25 +87,13 @@ def call_problem(handle: CPHandle, call: dict) -> tuple[str, str] | None:
         return InputProblem("no position_ids", "under CP every rank must pass the GLOBAL positions of its tokens "
                 "(cp.shard_batch provides them); without them RoPE would see local positions")
     cu = call.get("cu_seq_lens_q")
+    if branches is not None and cu is None:
+        return InputProblem(f"{BRANCHES} without packed documents (cu_seq_lens_q)",
+                            "pass the local batch cp.shard_batch made from a batch with branches, unchanged")
     if cu is not None:
-        if call.get("cu_seq_lens_k") is not None and not torch.equal(call["cu_seq_lens_k"], cu):
-            return InputProblem("cu_seq_lens_k different from cu_seq_lens_q", "pass the batch cp.shard_batch made")
-        try:
-            docs = documents_of(cu, x.shape[0], global_len)
-            for d in docs:
-                d.check(cp.size)
-        except ValueError as e:
-            return InputProblem("cu_seq_lens_q that are not the global document boundaries of this batch",
-                          f"pass the packed batch cp.shard_batch made ({e})")
-        expected = torch.stack([cp.shard(d.position_ids(pos.device), dim=0, documents=d) for d in docs])
-        if pos.shape != expected.shape or not bool((pos == expected).all()):
-            return InputProblem("position_ids that are not this rank's positions within its packed documents",
-                          "pass the position_ids made by cp.shard_batch for the packed batch")
-        unpacked = sorted({k.name for k in handle.layer_kinds if not k.packed})
-        if unpacked:
-            return (f"packed rows (documents) through its {', '.join(unpacked)} layers",
-                    "those layers do not reset their state at document starts under CP yet; pass unpacked rows")
-        handle.documents, handle.documents_from = tuple(docs), cu
+        problem = _packed_problem(handle, call, cu, pos, x.shape[0], global_len, branches)
+        if problem is not None:
+            return problem
     else:
         chunks = len(layouts.chunk_ids(cp.layout, 0, cp.size))
         if local_len % chunks:

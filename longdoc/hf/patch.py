@@ -47,6 +47,7 @@ from longdoc.hf.modelinfo import UnsupportedFeatureError, check_config, hf_model
 from longdoc.parallel import comm
 from longdoc.parallel.api import ContextParallel, check_strategy
 from longdoc.parallel.batch import ROW_LENGTHS, CPInputError
+from longdoc.parallel.batch_branches import BRANCHES
 
 M = TypeVar("M", bound=torch.nn.Module)  # patch / unpatch hand back the model's own class
 __all__ = ["patch", "unpatch", "is_patched", "chunked_loss", "UnsupportedFeatureError", "CPInputError"]
@@ -149,8 +150,12 @@ def _raise(handle: CPHandle, problem: tuple[str, str]):
 
 def _pre_forward(handle: CPHandle, signature: inspect.Signature, module, args, kwargs):
     lengths = kwargs.pop(ROW_LENGTHS, None)  # cp.shard_batch's real row lengths: for longdoc, never the model
+    branches = kwargs.pop(BRANCHES, None)  # and its preference pairs (longdoc.hf.pairs)
     mask_probe.begin(handle)
     if handle.session is not None:
+        if branches is not None:
+            raise refuse(handle.model_name, "preference pairs (longdoc_branches) in a KV session's call",
+                         "sessions prefill and decode plain rows; pass branches to training forwards only")
         return args, kwargs  # a KVSession's own call: it checked its inputs (or the caller ran a plain reference)
     cp = handle.cp
     if cp is None:
@@ -158,14 +163,14 @@ def _pre_forward(handle: CPHandle, signature: inspect.Signature, module, args, k
     handle.attention_calls = 0
     handle.loss_calls = 0
     handle.kind_calls = {}
-    handle.documents = handle.documents_from = None
+    handle.documents = handle.documents_from = handle.branches = None
     handle.row_lengths = None
     call = signature.bind_partial(*args, **kwargs).arguments
     call = {**call.pop("kwargs", {}), **call}
     x = call.get("input_ids", call.get("inputs_embeds"))
     global_len = x.shape[1] * cp.size if x is not None and x.dim() >= 2 else 0
     handle.local_len = x.shape[1] if x is not None and x.dim() >= 2 else 0
-    problem = call_problem(handle, call) or vocab_problem(module, call) or \
+    problem = call_problem(handle, call, branches) or vocab_problem(module, call) or \
         row_lengths_problem(lengths, call, global_len) or layerdrop_problem(module)
     mask = call.get("attention_mask")
     has_pad = mask is not None and mask.dim() == 2 and not bool(mask.all())

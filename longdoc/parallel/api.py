@@ -256,7 +256,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextPara
               scale: float | None = None, strategy: str = "ring", *, window: int | None = None,
               chunk_size: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
               documents: layouts.Packed | Sequence[int] | None = None,
-              selected: torch.Tensor | None = None) -> torch.Tensor:
+              selected: torch.Tensor | None = None,
+              branches: layouts.Branches | Sequence[Sequence[int]] | None = None) -> torch.Tensor:
     """Exact full-sequence attention computed on local shards: this rank's shard of
     SDPA(q, k, v, is_causal=causal, scale=scale, enable_gqa=True) under the pattern below. Differentiable (w.r.t.
     q, k, v and sinks).
@@ -288,6 +289,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextPara
             Sparse indexed attention (DeepSeek DSA) passes its indexer's top-k here; no gradient flows to it. Tiles
             of a block that no query selected a key of are skipped (longdoc/parallel/selection.py). Strategies
             with the heads all-to-all refuse it.
+        branches: preference pairs packed as [prompt | chosen | rejected] (layout.Branches, or its spans: one
+            (prompt_start, chosen_start, rejected_start, end) per pair, full-row indices), shared by every row of the
+            batch: each pair is a document, chosen and rejected both see the prompt, rejected never sees chosen.
+            Without `documents` the row's documents are `branches.documents(full_len)`: shard with
+            `cp.shard(x, dim, documents=branches.documents(full_len))`. Needs causal=True; refused with window,
+            chunk_size and selected.
 
     Returns:
         `[B, H, T_local, D]`, this rank's shard of the output, in q's dtype.
@@ -300,7 +307,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextPara
         able = " or ".join(repr(n) for n in strategies.names() if strategies.get(n).selects_keys)
         raise ValueError(f"longdoc.attention: selected-key (sparse indexed) attention runs with strategy {able}, "
                          f"not {strategy!r}; use one of those for DSA models")
-    pattern, pattern_meta = patterns_meta.build(q, window, chunk_size, softcap, sinks, documents, selected)
+    pattern, pattern_meta = patterns_meta.build(q, window, chunk_size, softcap, sinks, documents, selected, branches,
+                                                q.shape[2] * cp.size if q.dim() == 4 else 0)
     _validate(q, k, v, cp, causal, strategy, pattern_meta)
     pattern = dataclasses.replace(pattern, causal=bool(causal)).normalized(q.shape[2] * cp.size)
     scale = kernels.default_scale(q.shape[-1]) if scale is None else float(scale)

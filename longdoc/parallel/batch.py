@@ -26,7 +26,9 @@ leading pads see nothing and count nothing.
 Packed rows (transformers.DataCollatorWithFlattening's format: position_ids restarting at 0 at each
 document, optionally cu_seq_lens_q/k, max_length_q/k and seq_idx, which must agree with them): every
 document keeps its own positions, attends only to itself, and its last token predicts nothing (the loss
-equals running each document on its own). The row is laid out per document (longdoc.parallel.layout.
+equals running each document on its own). Rows of preference pairs packed as [prompt | chosen | rejected]
+pass `branches` (longdoc.parallel.batch_branches): each pair is a document, and the local batch carries the pairs
+for the patched model's attention. The row is laid out per document (longdoc.parallel.layout.
 Packed: each document zigzagged over the ranks, balanced work) and the local batch carries the GLOBAL
 document boundaries as cu_seq_lens_q / cu_seq_lens_k (over the flattened, padded batch, as HF counts
 them), from which the patched model's attention masks documents. The padding is one extra document.
@@ -42,6 +44,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from longdoc.parallel import batch_branches
 from longdoc.parallel.batch_agree import CPInputError, agree_content, checksum
 from longdoc.parallel.layout import Packed, round_up
 
@@ -50,7 +53,7 @@ __all__ = ["ROW_LENGTHS", "CPInputError", "checksum", "count_loss_tokens", "docu
 
 ROW_LENGTHS = "longdoc_row_lengths"  # see _shard; only in local batches with padding
 _KNOWN = ("input_ids", "inputs_embeds", "attention_mask", "labels", "position_ids", "cu_seq_lens_q",
-          "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+          "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "branches")
 def _as_tensor(value: Any, name: str) -> torch.Tensor:
     t = value if torch.is_tensor(value) else torch.as_tensor(value)
     if t.dim() == 1 and name != "inputs_embeds":
@@ -191,10 +194,14 @@ def _validated(batch: Mapping[str, Any], ignore_index: int, num_items_in_batch) 
     if cu_docs is not None and pos is None:
         pos = torch.cat([torch.cat([torch.arange(n) for n in row]) for row in cu_docs]).view(bsz, seq_len).to(device)
     starts, docs = [0] * bsz, [None] * bsz
+    pairs = batch_branches.per_row(batch["branches"], bsz) if batch.get("branches") is not None else None
+    if pairs is not None:
+        pos = batch_branches.positions(pairs, pos, lead.tolist(), [int(n) for n in n_real], seq_len, device, docs)
     if pos is not None:
         for r in range(bsz):
-            rolled = torch.roll(pos[r], -int(lead[r]))
-            starts[r], docs[r] = _row_documents(rolled, int(n_real[r]), r)
+            if docs[r] is None:
+                rolled = torch.roll(pos[r], -int(lead[r]))
+                starts[r], docs[r] = _row_documents(rolled, int(n_real[r]), r)
     packed = any(d is not None for d in docs)
     if packed and bool((lead > 0).any()):
         raise ValueError("cp.shard_batch: packed rows (position_ids restarting at 0) with left padding; pad packed "
@@ -222,7 +229,7 @@ def _validated(batch: Mapping[str, Any], ignore_index: int, num_items_in_batch) 
         raise ValueError(f"cp.shard_batch: labels must be integer token ids, got {labels.dtype}")
     if labels is not None and num_items_in_batch is not None and int(num_items_in_batch) <= 0:
         raise ValueError(f"cp.shard_batch: num_items_in_batch must be positive, got {int(num_items_in_batch)}")
-    return {"key": key, "inputs": x, "labels": labels, "attention_mask": mask, "position_ids": pos,
+    return {"key": key, "inputs": x, "labels": labels, "attention_mask": mask, "position_ids": pos, "branches": pairs,
             "rows": _Rows(lead.tolist(), [int(n) for n in n_real], starts, docs if packed else None)}
 
 
@@ -284,13 +291,18 @@ def _shard(fields: dict[str, Any], cp, pad_token_id: int, ignore_index: int,
     else:
         packs = [Packed((*(d or (n,)), *((padded - n,) if padded > n else ())))
                  for d, n in zip(rows.docs, rows.n_real)]
+        pairs = fields["branches"] or [None] * bsz
         if targets is not None:
             for r, pack in enumerate(packs):  # a document's last token predicts nothing (the next is another's)
                 targets[r, [e - 1 for e in pack.starts()[1:]]] = ignore_index
+            batch_branches.ignore_between(targets, pairs, ignore_index)
         local = {
             key: torch.cat([cp.shard(x[r:r + 1], dim=1, documents=p) for r, p in enumerate(packs)]),
-            "position_ids": torch.stack([cp.shard(p.position_ids(device), dim=0, documents=p) for p in packs]),
+            "position_ids": torch.stack([cp.shard(batch_branches.position_ids(b, p, device), dim=0, documents=p)
+                                         for b, p in zip(pairs, packs)]),
         }
+        if fields["branches"] is not None:
+            local[batch_branches.BRANCHES] = batch_branches.encode(pairs, device)
         local_targets = (torch.cat([cp.shard(targets[r:r + 1], dim=1, documents=p) for r, p in enumerate(packs)])
                          if targets is not None else None)
         cu = sorted({r * padded + s_ for r, p in enumerate(packs) for s_ in p.starts()})

@@ -242,3 +242,74 @@ def _coalesce(pieces: list[Run]) -> list[Run]:
         else:
             out.append((s, n))
     return out
+
+
+# ---- sibling branches: preference pairs packed as [prompt | chosen | rejected] ------------------
+
+Span = tuple[int, int, int, int]  # (prompt_start, chosen_start, rejected_start, end), row indices
+
+
+@dataclass(frozen=True)
+class Branches:
+    """Preference pairs in one packed row, each `[prompt | chosen | rejected]`: a shared prefix, two siblings.
+
+    spans: one (prompt_start, chosen_start, rejected_start, end) per pair, in row order, not overlapping; prompt,
+    chosen and rejected hold >= 1 token each. Query i sees key j (row indices) when both lie in one pair, j <= i,
+    and not (i in rejected and j in chosen): chosen sees prompt + chosen, rejected sees prompt + rejected. Each pair
+    is one document of the row; tokens outside every pair form documents of their own, one per gap (`documents`).
+    Rejected's position ids continue from the prompt's end (`position_ids`); masking is by row index only.
+    """
+
+    spans: tuple[Span, ...]
+
+    def __post_init__(self) -> None:
+        raw = self.spans.tolist() if isinstance(self.spans, torch.Tensor) else self.spans
+        try:
+            spans = tuple(tuple(s) for s in raw)
+        except TypeError:
+            spans = ()
+        ints = all(len(s) == 4 and all(isinstance(x, int) and not isinstance(x, bool) for x in s) for s in spans)
+        if not spans or not ints or spans[0][0] < 0 or not self._ordered(spans):
+            raise ValueError(f"branches: spans must be a non-empty sequence of (prompt_start, chosen_start, "
+                             f"rejected_start, end) int tuples, one per pair, in row order, with prompt, chosen and "
+                             f"rejected non-empty and pairs not overlapping; got {self.spans!r}")
+        object.__setattr__(self, "spans", spans)
+
+    @staticmethod
+    def _ordered(spans: tuple[Span, ...]) -> bool:
+        ends = [e for *_, e in spans]
+        return all(p < c < r < e for p, c, r, e in spans) and all(e <= s[0] for e, s in zip(ends, spans[1:]))
+
+    @property
+    def end(self) -> int:
+        return self.spans[-1][3]
+
+    def documents(self, seq_len: int) -> Packed:
+        """The row's documents: every pair, and every stretch of tokens outside the pairs (up to seq_len)."""
+        if self.end > seq_len:
+            raise ValueError(f"branches: the last pair ends at {self.end}, past the row's {seq_len} tokens")
+        cuts = sorted({0, seq_len, *(x for p, _, _, e in self.spans for x in (p, e))})
+        return Packed(tuple(b - a for a, b in zip(cuts, cuts[1:])))
+
+    def check(self, documents: Packed) -> None:
+        """Raise unless every pair is exactly one document of `documents` (another split would cut a pair)."""
+        starts = documents.starts()
+        inner = set(starts)
+        for p, _, _, e in self.spans:
+            if p not in inner or e not in inner or any(p < s < e for s in starts):
+                raise ValueError(f"branches: the pair at tokens [{p}, {e}) is not one document of the packed row "
+                                 f"(documents start at {list(starts[:8])}...); pass documents=branches.documents("
+                                 f"seq_len), or none")
+
+    def cuts(self) -> tuple[int, ...]:
+        """Every pair's prompt, chosen and rejected starts and its end."""
+        return tuple(x for s in self.spans for x in s)
+
+    def position_ids(self, seq_len: int, device: torch.device | str | None = None,
+                     documents: Packed | None = None) -> torch.Tensor:
+        """Position ids of the full row: 0.. per document (`documents`, default `self.documents(seq_len)`), and
+        rejected continuing from its prompt's end, as if chosen were not there."""
+        pos = (documents or self.documents(seq_len)).position_ids(device)
+        for p, c, r, e in self.spans:
+            pos[r:e] = torch.arange(c - p, c - p + e - r, device=device)
+        return pos

@@ -6,12 +6,21 @@ rank computes the same thing):
 - window w (sliding window, Hugging Face's convention): i - w < j <= i;
 - chunk_size C (Llama 4 chunked local attention): i // C == j // C, counted from each document's
   start in a packed row (what running every document on its own gives);
-- documents (a packed row): i and j in the same document.
+- documents (a packed row): i and j in the same document;
+- branches (preference pairs packed as [prompt | chosen | rejected], layout.Branches): i and j in one pair, and
+  not (i in rejected and j in chosen), so each sibling sees the shared prompt and itself but not the other.
 Chunks and documents cut the sequence into *segments*; inside a segment, query i sees the keys j
 with lo(i) <= j <= hi(i), where lo(i) = i - w + 1 (or the segment start) and hi(i) = i (or the
 segment end). Both are non-decreasing in i, so the visible keys of a block of consecutive queries
 form a band: a block is hidden, full, a causal square, or a band given by two diagonals. Only
 band blocks need a mask, and it is built from the two diagonals by the kernel.
+
+Branches give a rejected query two ranges of keys (the prompt, then rejected), which no band expresses. So each
+pair's prompt, chosen and rejected are segments of their own, and a query segment sees, besides itself, the keys
+of the segments `_key_segments` lists: chosen and rejected also see their pair's prompt. Every query segment x key
+segment combination is then one of the kinds above (prompt keys are all before a sibling's queries: full blocks),
+and rejected x chosen is simply never listed: no new kernel, no new mask. Windows and chunks with branches are
+refused (patterns_meta), so no other cut falls inside a pair.
 
 `plan(q_runs, k_runs, pattern)` lists the blocks of (local queries) x (keys held by another rank):
 never a hidden block, never a row that sees none of the block's keys (so no kernel ever meets a
@@ -26,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from longdoc.parallel.layout import Packed, Run
+from longdoc.parallel.layout import Branches, Packed, Run
 
 
 @dataclass(frozen=True)
@@ -38,18 +47,19 @@ class Pattern:
     chunk_size: int | None = None
     softcap: float | None = None
     documents: Packed | None = None
+    branches: Branches | None = None
 
     def normalized(self, seq_len: int) -> Pattern:
         """The same pattern with the parts that hide nothing at this length dropped (cheaper plans)."""
         window = self.window if self.window is not None and self.window < seq_len else None
         chunk = self.chunk_size if self.chunk_size is not None and self.chunk_size < seq_len else None
         # documents stay even when there is one: they also decide the layout (per-document zigzag)
-        return Pattern(self.causal, window, chunk, self.softcap, self.documents)
+        return Pattern(self.causal, window, chunk, self.softcap, self.documents, self.branches)
 
     @property
     def plain(self) -> bool:
-        """No window, chunk or documents: the plain causal / bidirectional plans apply."""
-        return self.window is None and self.chunk_size is None and self.documents is None
+        """No window, chunk, documents or branches: the plain causal / bidirectional plans apply."""
+        return self.window is None and self.chunk_size is None and self.documents is None and self.branches is None
 
 
 @dataclass(frozen=True)
@@ -67,10 +77,12 @@ class Block:
 
 
 def boundaries(seq_len: int, pattern: Pattern) -> tuple[int, ...]:
-    """Sorted segment starts (documents and chunks), with seq_len at the end."""
+    """Sorted segment starts (documents, chunks, each pair's prompt / chosen / rejected), with seq_len at the end."""
     cuts = {0, seq_len}
     if pattern.documents is not None:
         cuts.update(pattern.documents.starts())
+    if pattern.branches is not None:
+        cuts.update(pattern.branches.cuts())
     if pattern.chunk_size is not None:
         starts = pattern.documents.starts() if pattern.documents is not None else (0, seq_len)
         for a, b in zip(starts, starts[1:]):
@@ -168,6 +180,16 @@ def _edge(out: list[Block], qa: int, qb: int, ka: int, kb: int, q_off: int, k_of
     out.append(Block(rows, cols) if lo is None and hi is None else Block(rows, cols, band=(lo, hi)))
 
 
+def _key_segments(cuts: tuple[int, ...], pattern: Pattern) -> dict[int, tuple[int, ...]]:
+    """Query segment -> the key segments it sees where that is not just itself: a pair's chosen and rejected see
+    their prompt and themselves (never each other). Needs no cut inside a prompt, chosen or rejected."""
+    out: dict[int, tuple[int, ...]] = {}
+    for p, c, r, _ in pattern.branches.spans if pattern.branches is not None else ():
+        prompt, chosen, rejected = (bisect.bisect_right(cuts, x) - 1 for x in (p, c, r))
+        out[chosen], out[rejected] = (prompt, chosen), (prompt, rejected)
+    return out
+
+
 @functools.lru_cache(maxsize=4096)
 def plan(q_runs: tuple[Run, ...], k_runs: tuple[Run, ...], seq_len: int, pattern: Pattern) -> tuple[Block, ...]:
     """Blocks of (queries in q_runs) x (keys in k_runs), in local row / col indices; see the module doc."""
@@ -176,9 +198,11 @@ def plan(q_runs: tuple[Run, ...], k_runs: tuple[Run, ...], seq_len: int, pattern
     for piece in _pieces(k_runs, cuts):  # grouped, so packed rows of many documents plan in linear time
         by_segment.setdefault(piece[3], []).append(piece)
     tile = tile_size(pattern.window)
+    seen = _key_segments(cuts, pattern)
     out: list[Block] = []
     for qa, qb, q_off, seg in _pieces(q_runs, cuts):
-        for ka, kb, k_off, _ in by_segment.get(seg, ()):
+        keys = [piece for k_seg in seen.get(seg, (seg,)) for piece in by_segment.get(k_seg, ())]
+        for ka, kb, k_off, _ in keys:
             if pattern.causal and ka > qb - 1:
                 continue
             if pattern.window is not None and kb - 1 < qa - pattern.window + 1:

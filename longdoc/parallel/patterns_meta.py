@@ -13,7 +13,7 @@ import zlib
 
 import torch
 
-from longdoc.parallel.layout import Packed
+from longdoc.parallel.layout import Branches, Packed
 from longdoc.parallel.masks import Pattern
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -49,9 +49,36 @@ def _selected_meta(q: torch.Tensor, selected) -> list[int]:
     return [1, selected.shape[2]]
 
 
+def _crc(ints) -> int:
+    ints = list(ints)
+    return zlib.crc32(struct.pack(f"<{len(ints)}q", *ints))
+
+
+def _branches(branches, packed: Packed | None, seq_len: int) -> tuple[Branches | None, Packed | None, list[int]]:
+    """(branches, the row's documents, [flag, pairs, crc, last end]): flag 0 none, 1 valid, -1 malformed spans,
+    -2 a pair that is not one document of `packed`, -3 a pair past the row. Without documents, the pairs'."""
+    if branches is None:
+        return None, packed, [0, 0, 0, 0]
+    try:
+        made = branches if isinstance(branches, Branches) else Branches(branches)
+    except (TypeError, ValueError):
+        return None, packed, [-1, 0, 0, 0]
+    meta = [1, len(made.spans), _crc(made.cuts()), made.end]
+    if made.end > seq_len:
+        return None, packed, [-3, *meta[1:]]
+    if packed is None:
+        return made, made.documents(seq_len), meta
+    try:
+        made.check(packed)
+    except ValueError:
+        return None, packed, [-2, *meta[1:]]
+    return made, packed, meta
+
+
 def build(q: torch.Tensor, window, chunk_size, softcap, sinks, documents,
-          selected=None) -> tuple[Pattern, list[int]]:
-    """(pattern, metadata ints) for these arguments; invalid values are encoded, not raised."""
+          selected=None, branches=None, seq_len: int = 0) -> tuple[Pattern, list[int]]:
+    """(pattern, metadata ints) for these arguments; invalid values are encoded, not raised.
+    seq_len: the full length (branches without documents lay the row out by their pairs)."""
     meta = [_int_or(window), _int_or(chunk_size)]
     cap_ok = isinstance(softcap, (int, float)) and not isinstance(softcap, bool) and math.isfinite(softcap) \
         and softcap > 0
@@ -72,13 +99,14 @@ def build(q: torch.Tensor, window, chunk_size, softcap, sinks, documents,
         if packed is None:
             meta += [-1, 0, 0, 0]
         else:
-            crc = zlib.crc32(struct.pack(f"<{len(packed.doc_lens)}q", *packed.doc_lens))
-            meta += [1, len(packed.doc_lens), packed.seq_len, crc]
+            meta += [1, len(packed.doc_lens), packed.seq_len, _crc(packed.doc_lens)]
     else:
         meta += [0, 0, 0, 0]
     meta += _selected_meta(q, selected)
+    made, packed, branch_meta = _branches(branches, packed, seq_len)
+    meta += branch_meta
     pattern = Pattern(True, window if meta[0] > 0 else None, chunk_size if meta[1] > 0 else None,
-                      float(softcap) if cap_ok else None, packed)
+                      float(softcap) if cap_ok else None, packed, made)
     return pattern, meta
 
 
@@ -100,6 +128,8 @@ def describe(meta: list[int]) -> str:
         parts.append(f"documents: {meta[10]} summing to {meta[11]} (crc {meta[12]:08x})")
     if len(meta) > 13 and meta[13] == 1:
         parts.append(f"selected keys: {meta[14]} per query")
+    if len(meta) > 15 and meta[15] == 1:
+        parts.append(f"branches: {meta[16]} pairs ending at {meta[18]} (crc {meta[17]:08x})")
     return ", ".join(parts) if parts else "no pattern"
 
 
@@ -136,4 +166,24 @@ def problem(meta: list[int], *, causal: bool, q_heads: int, seq_len: int, layout
         what = {-1: "an integer tensor", -2: "of shape (batch, local_len, n): n GLOBAL key positions per local query",
                 -3: "on the same device as q"}[flag]
         return f"selected must be {what} (entries < 0 are unused slots), or None"
-    return None
+    return _branches_problem(meta, causal, seq_len)
+
+
+def _branches_problem(meta: list[int], causal: bool, seq_len: int) -> str | None:
+    flag = meta[15] if len(meta) > 15 else 0
+    if flag == 0:
+        return None
+    if flag == -1:
+        return ("branches: spans must be a longdoc Branches or a sequence of (prompt_start, chosen_start, "
+                "rejected_start, end) int tuples, one per pair, in row order, with prompt, chosen and rejected "
+                "non-empty and pairs not overlapping")
+    if flag == -3:
+        return f"branches: the last pair ends at {meta[18]}, past the row's {seq_len} tokens (local length x CP size)"
+    if flag == -2:
+        return ("branches: a pair is not one document of the packed row given as documents=; pass "
+                "documents=branches.documents(seq_len) (every pair one document), or no documents")
+    refused = ((not causal, "branches need causal=True (each sibling looks back at the prompt and itself)"),
+               (meta[0], "branches with a sliding window are not supported; drop window="),
+               (meta[1], "branches with chunked attention are not supported; drop chunk_size="),
+               (len(meta) > 13 and meta[13], "branches with selected keys (sparse indexed attention) are refused"))
+    return next((why for on, why in refused if on), None)

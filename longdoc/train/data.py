@@ -40,12 +40,14 @@ class Sequences:
         self.weights = weights or TokenWeights()
         self.draw_key = tuple(draw_key)
         self.has_doc_span = "doc_span" in ds.column_names
+        # preference rows (data.task: preference): [prompt | chosen | rejected] per pair, longdoc.corpus.preference
+        self.has_branches = "branches" in ds.column_names
         if (self.weights.document or self.weights.kl) and not self.has_doc_span and _is_qa(ds):
             raise RecipeError(f"data.mix: {source} holds QA rows without doc_span (prepared by an older longdoc), "
                               f"so document_loss_weight / kl_weight cannot find the document; prepare them again or "
                               f"give the raw documents")
         columns = ["input_ids", "labels"] + (["position_ids"] if self.has_positions else []) \
-            + (["doc_span"] if self.has_doc_span else [])
+            + (["doc_span"] if self.has_doc_span else []) + (["branches"] if self.has_branches else [])
         self.ds = ds.with_format("torch", columns=columns)
         self.source = source
         self._fingerprint: dict | None = None
@@ -217,6 +219,11 @@ def load_sequences(cfg: DataConfig, tokenizer, vocab_size: int, seed: int, main_
             with main_first() if main_first is not None else contextlib.nullcontext():
                 seqs = Sequences(_prepare(cfg, tokenizer, seed, rows_needed), f"{path} ({cfg.task})")
                 prepared = True
+    if seqs.has_branches != (cfg.task == "preference") and cfg.path != "random":
+        raise RecipeError(f"data.task: {cfg.task!r} but {seqs.source} holds " + (
+            "preference rows (branches); set data.task: preference" if seqs.has_branches else
+            "rows without branches; data.task: preference needs rows of `longdoc data prepare --task preference` "
+            "or prompt/chosen/rejected records"))
     if cfg.max_sequences is not None and cfg.max_sequences < len(seqs) and not prepared:
         seqs = Sequences(seqs.ds.select(range(cfg.max_sequences)), seqs.source)
     keep = [i for i in range(len(seqs)) if bool((seqs.row(i)[1][1:] != IGNORE).any())]

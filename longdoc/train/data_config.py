@@ -9,7 +9,7 @@ from typing import Literal
 from longdoc.train.recipe_parse import Tokens
 from longdoc.train.recipe_parse import check as _check
 
-Task = Literal["qa", "pretrain", "chat"]
+Task = Literal["qa", "pretrain", "chat", "preference"]
 ChatLoss = Literal["assistant", "all"]
 Truncation = Literal["left", "right"]
 # data.mix sources: QA rows, LM loss on the documents themselves, plain text the user points to (replay),
@@ -75,6 +75,7 @@ class DataConfig:
     seq_len: Tokens = 4096  # tokens per training sequence (window), before CP sharding
     task: Task = "qa"  # for raw documents: "qa" (document + question -> answer, loss on answers) | "pretrain"
     #   | "chat" (conversations: messages [{role, content}] or ShareGPT, in the model's chat template)
+    #   | "preference" (prompt/chosen/rejected pairs as shared-prefix rows, longdoc.corpus.preference)
     chat_loss: ChatLoss = "assistant"  # chat: loss on the assistant turns only, or on "all" tokens
     truncation: Truncation = "left"  # chat: an over-long conversation loses its longest non-trained turn's start
     text_field: str | None = None  # pretrain: the documents' text field; null picks text/document/content

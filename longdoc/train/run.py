@@ -118,6 +118,10 @@ def build(recipe: Recipe, world: World, say: Callable[[str], None]) -> Run:
     else:
         seqs = load_sequences(recipe.data, tokenizer, vocab, recipe.seed, main_first=acc.main_process_first,
                               rows_needed=rows_needed)
+    if getattr(seqs, "has_branches", False):
+        # a shared-prefix row under the SFT loss would predict rejected's first token from chosen's last
+        raise RecipeError("data.task: preference rows train with a DPO step, which longdoc train does not have yet "
+                          "(issue 39); the SFT loss cannot train them (longdoc.corpus.preference)")
     seqs, held_out = split_held_out(recipe, seqs, tokenizer, vocab, main_first=acc.main_process_first)
     stopper = EarlyStopping(recipe.eval.patience, recipe.eval.min_delta)
     if not recipe.data.mix:

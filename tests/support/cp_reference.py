@@ -162,6 +162,20 @@ def pattern_mask(seq_len: int, causal: bool = True, window: int | None = None, c
     return vis
 
 
+def branch_mask(seq_len: int, spans) -> torch.Tensor:
+    """Bool (seq_len, seq_len), True where query i sees key j under sibling branches, from the definition: i and j
+    in one pair (or one stretch of tokens outside every pair), j <= i, and not (i in rejected and j in chosen)."""
+    doc = torch.zeros(seq_len, dtype=torch.long)
+    part = torch.zeros(seq_len, dtype=torch.long)  # 0 prompt or outside the pairs, 1 chosen, 2 rejected
+    for p, c, r, e in spans:
+        doc[p:] += 1
+        doc[e:] += 1
+        part[c:r], part[r:e] = 1, 2
+    i, j = torch.arange(seq_len).unsqueeze(1), torch.arange(seq_len).unsqueeze(0)
+    vis = (j <= i) & (doc.unsqueeze(1) == doc.unsqueeze(0))
+    return vis & ~((part.unsqueeze(1) == 2) & (part.unsqueeze(0) == 1))
+
+
 def pattern_reference(q, k, v, dout, mask: torch.Tensor, softcap: float | None = None,
                       sinks: torch.Tensor | None = None, scale: float | None = None):
     """Output and gradients (dq, dk, dv[, dsinks]) of masked, soft-capped, sink attention in float64."""

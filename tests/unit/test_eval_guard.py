@@ -52,9 +52,9 @@ def saved(tmp_path_factory) -> dict[str, Path]:
     return {"base": root / "base", "harmed": root / "harmed"}
 
 
-def _cells(correct: list[int], length: int = 1024) -> list[dict]:
-    return [{"length": length, "depth": 0.5, "repeat": r, "answer": str(10000 + r), "correct": bool(c)}
-            for r, c in enumerate(correct)]
+def _cells(correct: list[int], length: int = 1024, sentences: int = 10) -> list[dict]:
+    return [{"length": length, "depth": 0.5, "repeat": r, "question": f"sentence {r % sentences}?",
+             "answer": str(10000 + r), "correct": bool(c)} for r, c in enumerate(correct)]
 
 
 def _windows(rows: list[list[float]]) -> dict:
@@ -74,6 +74,15 @@ def test_verdict_rule_on_crafted_pairs():
     many, lost = [1] * 400, [0 if r < 12 else 1 for r in range(400)]
     m = harm.judge({"needle": ({"cells": _cells(many)}, {"cells": _cells(lost)})})["metrics"]["needle"]
     assert m["high"] < 0 and m["delta"] == pytest.approx(-0.03) and not m["harm"]
+    # Cells resample by sentence: one sentence lost at every cell (4 of 40) is that sentence's, not retrieval's;
+    # the same drop spread over four sentences is harm. Resampling single cells would call both harm.
+    one = [0 if r % 10 == 0 else 1 for r in range(40)]
+    spread = [0 if r in (0, 11, 22, 33) else 1 for r in range(40)]
+    for tuned, harmed in ((one, False), (spread, True)):
+        m = harm.judge({"needle": ({"cells": _cells([1] * 40)}, {"cells": _cells(tuned)})})["metrics"]["needle"]
+        assert m["delta"] == pytest.approx(-0.1) and m["harm"] is harmed and m["paired"]["groups"] == 10, m
+    from longdoc.eval.compare import paired_bootstrap
+    assert paired_bootstrap([1.0] * 40, [float(x) for x in one])["high"] < 0  # per cell: "harm"
     # Plain-text loss: +10% everywhere is harm; +1% everywhere is real but within the 2% tolerance; noise is not.
     rows = [[3.0 + 0.1 * rng.random() for _ in range(8)] for _ in range(6)]
     for factor, harmed in ((1.10, True), (1.01, False)):

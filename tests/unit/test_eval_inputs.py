@@ -170,3 +170,30 @@ def test_spawned_ranks_hand_back_the_message_not_a_traceback(short_model, qa_fil
         main(["eval", "qa", "--model", short_model, "--data", str(qa_file), *COMMON, "--cp", "2",
               "--out", str(tmp_path / "o")])
     assert "Traceback" not in str(e.value)
+
+
+def test_the_general_set_rotates_every_sentence_over_each_length_in_one_prompt_length(tmp_path):
+    """`--domain general` (the guard's needles): the guard's default grid (2 lengths x 5 depths x 2 repeats) holds
+    each of the ten sentences once at every length, and a longer question takes its tokens from the haystack, so
+    the prompts of one length differ by at most the few tokens a cut can move (they batch: needle.groups)."""
+    from collections import Counter
+
+    from longdoc.eval import needle
+
+    docs = tmp_path / "manuals"
+    docs.mkdir()
+    (docs / "manual.txt").write_text("\n".join(f"Step {i}: turn the dial to position {i} and wait." for i in range(400)))
+    out = tmp_path / "o"
+    assert main(["eval", "needle", "--model", "tiny:llama", "--domain", "general", "--haystack", str(docs),
+                 "--lengths", "256,512", "--depths", "0,0.25,0.5,0.75,1", "--repeats", "2", *COMMON,
+                 "--out", str(out)]) == 0
+    cells = report.load_results(out)["cells"]
+    sentences = needle.NEEDLES["general"]
+    for length in (256, 512):
+        mine = [c for c in cells if c["length"] == length]
+        assert Counter(c["template"] for c in mine) == Counter(range(len(sentences)))
+        assert {c["question"] for c in mine} == {q for _, q in sentences}
+        assert max(c["prompt_tokens"] for c in mine) - min(c["prompt_tokens"] for c in mine) <= 3, mine
+    with pytest.raises(ValueError, match="--domain general has no generated haystack: pass --haystack"):
+        main(["eval", "needle", "--model", "tiny:llama", "--domain", "general", "--lengths", "256", *COMMON,
+              "--out", str(out)])

@@ -19,7 +19,7 @@ PUBLIC = {
     "longdoc": (longdoc, list(longdoc.__all__)),
     "longdoc.hf": (longdoc.hf, list(longdoc.hf.__all__)),
     "longdoc.parallel.api": (longdoc.parallel.api, ["ContextParallel", "attention", "check_strategy"]),
-    "longdoc.parallel.layout": (longdoc.parallel.layout, ["Packed"]),
+    "longdoc.parallel.layout": (longdoc.parallel.layout, ["Packed", "Branches"]),
 }
 SKIP_METHODS = {"__repr__", "__enter__", "__exit__"}
 

@@ -25,7 +25,7 @@ def test_cp_fields_use_the_core_types():
     ("model.dtype=fp8", "('float32', 'bfloat16', 'float16')"),
     ("train.on_nonfinite=ignore", "('skip', 'abort')"),
     ("optim.decay=step", "('cosine', 'linear', 'constant')"),
-    ("data.task=summarise", "('qa', 'pretrain', 'chat')"),
+    ("data.task=summarise", "('qa', 'pretrain', 'chat', 'preference')"),
     ("data.chat_loss=prompt", "('assistant', 'all')"),
 ])
 def test_a_value_outside_the_choices_names_them(override, choices):
