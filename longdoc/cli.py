@@ -24,6 +24,7 @@ VERB_MODULES: list[str] = [
     "longdoc.train.cli",
     "longdoc.eval.cli",
     "longdoc.corpus.cli",
+    "longdoc.ask.cli",
     "longdoc.runtime.resources",
 ]
 

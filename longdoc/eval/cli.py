@@ -55,13 +55,15 @@ def _positive(text: str) -> int:
     return int(text)
 
 
-def _common(p: argparse.ArgumentParser, model: bool = True) -> None:
+def common_args(p: argparse.ArgumentParser, model: bool = True, out: bool = True) -> None:
+    """The options every command that loads a model onto CP ranks shares (eval, `longdoc ask`)."""
     if model:
         p.add_argument("--model", default="SmolLM2-135M-Instruct",
                        help=f"model name, folder, .gguf, hub id or tiny:<arch> ({', '.join(zoo.NAMES)}; "
                             f"`longdoc verify --help` says which patterns each has) (default: %(default)s)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel ranks (default: %(default)s)")
-    p.add_argument("--out", default=None, help="run folder (default: runs/eval/<task>-<model>-<time>)")
+    if out:
+        p.add_argument("--out", default=None, help="run folder (default: runs/eval/<task>-<model>-<time>)")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default: %(default)s)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="auto = CUDA under a launcher when available, else CPU")
@@ -202,7 +204,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _add_qa(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("qa", help="document QA: EM/F1 (generation) and answer NLL (teacher forcing)")
-    _common(p)
+    common_args(p)
     _qa_args(p, required=True)
     _skip_bad(p, "bad --data records and questions (an answer not found in its document, an empty document, a file "
                  "longdoc cannot read)")
@@ -211,7 +213,7 @@ def _add_qa(sub: argparse._SubParsersAction) -> None:
 
 def _add_needle(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("needle", help="needle in a haystack: accuracy grid (length x depth) and heatmap")
-    _common(p)
+    common_args(p)
     _needle_args(p)
     _skip_bad(p, "--haystack files longdoc cannot read (an image, a scanned PDF without text, an empty document; "
                  "the same flag as `eval qa --skip-bad`)")
@@ -222,7 +224,7 @@ def _add_needle(sub: argparse._SubParsersAction) -> None:
 
 def _add_position_loss(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("position-loss", help="mean token loss by position over long documents, curve PNG")
-    _common(p)
+    common_args(p)
     p.add_argument("--data", nargs="+", default=None, dest="pl_data",
                    help="documents: jsonl/json/parquet/csv with text/document/content, or .txt/.md/.pdf/.docx/.html "
                         "files or a folder of them")
@@ -239,7 +241,7 @@ def _add_position_loss(sub: argparse._SubParsersAction) -> None:
 
 def _add_chat_loss(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat-loss", help="held-out chat loss: mean loss per assistant token of conversations")
-    _common(p)
+    common_args(p)
     p.add_argument("--data", nargs="+", required=True, dest="chat_data",
                    help="conversations: jsonl/json/parquet with messages [{role, content}] or ShareGPT conversations")
     p.add_argument("--length", type=cliargs.length, default=32768,
@@ -254,7 +256,7 @@ def _add_chat_loss(sub: argparse._SubParsersAction) -> None:
 
 def _add_ruler(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("ruler", help="RULER-style suite: 8 synthetic long-context tasks x lengths, score grid, heatmap")
-    _common(p)
+    common_args(p)
     _ruler_args(p, alone=True)
     _skip_bad(p, "--haystack files longdoc cannot read (an image, a scanned PDF without text, an empty document; "
                  "the same flag as `eval qa --skip-bad`)")
@@ -268,7 +270,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--names", nargs=2, default=None, metavar=("A", "B"), help="labels (default: base, tuned)")
     p.add_argument("--tasks", default="qa,needle,position-loss",
                    help="tasks to run when A/B are models: qa, needle, position-loss, ruler (default: %(default)s)")
-    _common(p, model=False)
+    common_args(p, model=False)
     _qa_args(p, required=False)
     _needle_args(p)
     _position_args(p)
@@ -291,7 +293,7 @@ def _add_guard(sub: argparse._SubParsersAction) -> None:
                                    "0 NO HARM, 1 HARM, 2 bad input (one line on stderr). Writes results.json, "
                                    "summary.md, guard.png and base/, tuned/ run folders in --out.")
     _guard_args(p)
-    _common(p, model=False)
+    common_args(p, model=False)
     _skip_bad(p, "--text files longdoc cannot read (an image, a scanned PDF without text, an empty document)")
     cache_args(p)
     p.set_defaults(func=_run_guard, task="guard")

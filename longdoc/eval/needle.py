@@ -71,10 +71,14 @@ NEEDLES = {
 SYNTH_DOMAINS = ("legal", "medical")  # the domains `longdoc data synth` writes haystacks for
 
 
-def template(cfg: dict[str, Any], i: int, r: int) -> int:
-    """The needle sentence of cell (depth i, repeat r): sentences rotate over depths, then repeats, so a grid of
-    len(depths) x repeats >= the set's size holds every sentence, each at every length."""
-    return (r * len(cfg["depths"]) + i) % len(NEEDLES[cfg["domain"]])
+def template(cfg: dict[str, Any], j: int, i: int, r: int) -> int:
+    """The needle sentence of cell (length j, depth i, repeat r). Within a length the cells c = r * len(depths) + i
+    take the sentences in turn, so every run of len(set) cells holds each once; each further length and each
+    further run of len(set) cells shifts the turn (by 1 and 2), so one sentence meets other depths there, never
+    one depth only (a sentence that a model misreads at some depths must not hide at a depth it reads)."""
+    size = len(NEEDLES[cfg["domain"]])
+    c = r * len(cfg["depths"]) + i
+    return (c + j + 2 * (c // size)) % size
 
 
 def haystacks(domain: str, tokens: int, count: int, seed: int, tokenizer: Any,
@@ -162,7 +166,7 @@ def prompts(model: torch.nn.Module, tokenizer: Any, cfg: dict[str, Any], prompte
         length = lengths[j]
         rng = random.Random(f"needle:{domain}:{seed}:{length}:{depth}:{r}")
         value = str(rng.randrange(10000, 100000))
-        t = template(cfg, i, r)
+        t = template(cfg, j, i, r)
         sentence, question = NEEDLES[domain][t]
         needle = sentence.format(value=value)
         doc, actual, n_doc = plant(stacks[r], needle, length - (asked[t] - min(asked)), depth, tokenizer)

@@ -33,7 +33,7 @@ import torch
 
 from longdoc.parallel import blocks, comm, kernels
 
-__all__ = ["BranchState", "Branches", "branch_attention"]
+__all__ = ["BranchState", "Branches", "branch_attention", "greedy_each"]
 
 
 class BranchState:
@@ -201,3 +201,25 @@ class Branches:
                 active, nxt = [active[i] for i in running.tolist()], nxt[running]
             logits = self.extend(nxt)
         return out
+
+
+def greedy_each(session, suffixes: Sequence[Sequence[int]], max_new_tokens: int,
+                eos_token_id: int | list[int] | None = None, batch: int = 16) -> list[list[int]]:
+    """Greedy continuations of each of `suffixes` (ids after the session's prefilled prompt, e.g. one question
+    each), all over that one prefill: up to `batch` rows decoded together as Branches, or one at a time with
+    rollback when `batch` is 1 or the model cannot branch (`KVSession.branch_problem`). The same tokens either
+    way up to rounding; the session is left as it was."""
+    out: list[list[int]] = []
+    if batch > 1 and session.branch_problem() is None:
+        for start in range(0, len(suffixes), batch):
+            part = [list(s) for s in suffixes[start:start + batch]]
+            with Branches(session, len(part)) as branches:
+                out += branches.greedy(branches.extend(part), max_new_tokens, eos_token_id)
+        return out
+    mark = session.mark()
+    device = session.state.key_positions.device
+    for suffix in suffixes:
+        logits = session.extend(torch.tensor([list(suffix)], dtype=torch.long, device=device))[:, -1]
+        out.append(session.greedy(logits, max_new_tokens, eos_token_id).tokens[0].tolist())
+        session.rollback(mark)
+    return out

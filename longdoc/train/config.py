@@ -23,6 +23,7 @@ from longdoc.parallel import strategy as registry
 from longdoc.parallel.layout import LAYOUTS, Layout
 from longdoc.train.data_config import DataConfig, MixSource  # noqa: F401 - MixSource re-exported
 from longdoc.train.moved_keys import check_moved
+from longdoc.train.preference_config import PreferenceConfig
 from longdoc.train.recipe_parse import RecipeError, Tokens, parse_overrides  # noqa: F401 - re-exported
 from longdoc.train.recipe_parse import build as _build
 from longdoc.train.recipe_parse import check as _check
@@ -258,6 +259,7 @@ class Recipe:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)  # data.task: preference only
 
     def __post_init__(self):
         _check(bool(self.output_dir), "output_dir", "must name a folder for checkpoints, logs and the model")
@@ -273,6 +275,7 @@ class Recipe:
                "weights); for full fine-tuning use a rehearsal or text source instead")
         _check(not (self.data.mix and self.eval.holdout), "eval.holdout",
                "is not supported with data.mix (which source would it hold out?); set eval.path to held-out rows")
+        _check_preference(self)
         _check(self.optim.warmup_steps <= self.train.steps, "optim.warmup_steps",
                f"({self.optim.warmup_steps}) exceeds train.steps ({self.train.steps})")
 
@@ -292,6 +295,19 @@ class Recipe:
 
         walk("", self.to_dict())
         return out
+
+
+def _check_preference(r: Recipe) -> None:
+    if r.data.task != "preference":
+        return
+    _check(r.lora.enabled or r.preference.loss != "sigmoid", "preference.loss",
+           "sigmoid DPO needs lora.enabled: its reference is the model with the LoRA adapters disabled, and full "
+           "fine-tuning would need a second, frozen copy of the weights, which longdoc does not keep; enable LoRA "
+           "or use the reference-free preference.loss=simpo")
+    _check(not r.data.mix, "data.mix", "cannot hold preference rows: train data.task: preference from data.path")
+    _check(not (r.eval.every or r.eval.path or r.eval.holdout), "eval.every",
+           "validation computes the SFT loss, not the preference loss; set eval.every=0 and no eval.path / "
+           "eval.holdout for data.task: preference")
 
 
 def recipe_from_dict(data: dict | None, overrides: list[str] | None = None) -> Recipe:

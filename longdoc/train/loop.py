@@ -142,7 +142,7 @@ def _log(run: Run, info: StepInfo, local_tokens: int) -> None:
          "tokens_per_s": info.tokens / info.step_s, "step_s": info.step_s, "peak_gb": info.peak_gb,
          "peak_gb_max": info.peak_gb_max, "epoch": run.schedule.epoch(info.step), "skipped": run.skipped_total,
          "logit_rows_max": run.logit_rows.max_rows, "local_tokens": local_tokens,
-         **({"aux_loss": info.aux_loss} if info.aux_loss is not None else {})},
+         **({"aux_loss": info.aux_loss} if info.aux_loss is not None else {}), **(info.metrics or {})},
         step=info.step)
 
 

@@ -18,6 +18,8 @@ its forwards (micro-batches of every replica).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from longdoc.hf.head import IGNORE, LogitHead, base_causal_lm, chunked_ce_sum  # noqa: F401  (re-exported)
 from longdoc.runtime.budgets import loss_chunk_tokens
+from longdoc.train.dpo import DpoBatch, dpo_share
 
 
 class ChunkStats:
@@ -98,13 +101,16 @@ class LossModel(nn.Module):
         return LogitHead(self.lm)
 
     def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep_logits: bool = False,
-               cu_seq_lens: torch.Tensor | None = None, row_lengths: torch.Tensor | None = None):
+               cu_seq_lens: torch.Tensor | None = None, row_lengths: torch.Tensor | None = None,
+               branches: torch.Tensor | None = None):
         """(final hidden states (batch, local_len, hidden), logits or None). cu_seq_lens: the packed
         documents' global boundaries of a local batch (cp.shard_batch's cu_seq_lens_q), if any; row_lengths:
-        its real row lengths (cp.shard_batch's longdoc_row_lengths), if it has padding. The MoE router
+        its real row lengths (cp.shard_batch's longdoc_row_lengths), if it has padding; branches: its preference
+        pairs (cp.shard_batch's longdoc_branches), if any. The MoE router
         auxiliary loss of the call (the whole sequence's, see longdoc.hf.router), if the model computes one,
         is left in self.aux."""
         from longdoc.parallel.batch import ROW_LENGTHS
+        from longdoc.parallel.batch_branches import BRANCHES
 
         lm = self.lm
         grabbed = {}
@@ -118,6 +124,8 @@ class LossModel(nn.Module):
             extra = {} if cu_seq_lens is None else {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens}
             if row_lengths is not None:
                 extra[ROW_LENGTHS] = row_lengths
+            if branches is not None:
+                extra[BRANCHES] = branches
             out = lm(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep, **extra)
         finally:
             hook.remove()
@@ -126,17 +134,19 @@ class LossModel(nn.Module):
 
     def base(self):
         """A context manager under which the model is the frozen base: the LoRA adapters (and peft's
-        modules_to_save copies) disabled. The KL term needs it; full fine-tuning has no frozen base."""
+        modules_to_save copies) disabled. The KL term and sigmoid DPO's reference need it; full fine-tuning has no
+        frozen base."""
         if not hasattr(self.model, "disable_adapter"):
-            raise ValueError("a KL term toward the base model needs LoRA (lora.enabled): the base is the model with "
-                             "its adapters disabled")
+            raise ValueError("a KL term toward the base model, or the reference of sigmoid DPO, needs LoRA "
+                             "(lora.enabled): the base is the model with its adapters disabled")
         return self.model.disable_adapter()
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 num_loss_tokens: int | float | torch.Tensor = 1, probe: bool = False,
                 cu_seq_lens: torch.Tensor | None = None, row_lengths: torch.Tensor | None = None,
                 loss_weights: torch.Tensor | None = None, kl_weights: torch.Tensor | None = None,
-                num_kl_tokens: int = 1, aux_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                num_kl_tokens: int = 1, aux_weight: float = 0.0, branches: torch.Tensor | None = None,
+                dpo: DpoBatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """labels: shifted local labels (-100 = no loss). Returns (share, ce_sum): share = ce_sum /
         num_loss_tokens, where ce_sum sums each token's CE times its weight (`loss_weights`, shifted like the
         labels; none = 1) and num_loss_tokens is the sum of the weights over the whole optimizer step;
@@ -144,7 +154,9 @@ class LossModel(nn.Module):
         (the step's number of KL tokens). Every CP rank of a group passes kl_weights or none alike (the frozen
         base's forward runs the CP attention too). The share also adds aux_weight * aux, aux the MoE router
         auxiliary loss of this call (0 for models without one); aux_weight is this rank's share of its
-        coefficient (longdoc/train/step.py).
+        coefficient (longdoc/train/step.py). With `dpo` (preference rows, longdoc.train.dpo) it returns instead
+        (share of the step's preference loss, (4, pairs) policy and reference log-probability sums); `branches`:
+        the local batch's longdoc_branches.
 
         probe=True returns instead (max |model logits - chunked-head logits|, max |model logits|): it runs
         through the wrapped forward, so DDP/FSDP2 gather what they must exactly as in training.
@@ -153,7 +165,10 @@ class LossModel(nn.Module):
             h, ref = self.hidden(input_ids, position_ids, keep_logits=True)
             ref = ref.float()
             return (ref - self.head(h).float()).abs().max(), ref.abs().max()
-        h, _ = self.hidden(input_ids, position_ids, cu_seq_lens=cu_seq_lens, row_lengths=row_lengths)
+        where: dict[str, Any] = {"cu_seq_lens": cu_seq_lens, "row_lengths": row_lengths, "branches": branches}
+        h, _ = self.hidden(input_ids, position_ids, **where)
+        if dpo is not None:
+            return dpo_share(self, h, dpo, lambda: self.hidden(input_ids, position_ids, **where)[0])
         aux = self.aux  # the tuned model's router loss (the base's forward below would overwrite it)
         ce_sum = chunked_ce_sum(self.head, h, labels, self.chunk_tokens, loss_weights)
         n = float(num_loss_tokens)
@@ -161,7 +176,7 @@ class LossModel(nn.Module):
         share = ce_sum / (n if n > 0 else 1.0)
         if kl_weights is not None:
             with torch.no_grad(), self.base():
-                h_base, _ = self.hidden(input_ids, position_ids, cu_seq_lens=cu_seq_lens, row_lengths=row_lengths)
+                h_base, _ = self.hidden(input_ids, position_ids, **where)
             self.aux = aux
             kl_sum = chunked_kl_sum(self.head, h, h_base, kl_weights, self.chunk_tokens, self.base)
             share = share + kl_sum / max(int(num_kl_tokens), 1)

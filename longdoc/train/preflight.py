@@ -77,9 +77,6 @@ def check_recipe(recipe: Recipe) -> None:
     data = recipe.data
     if data.path:
         check_data_path(data.path, "data.path", data.task, data.text_field)
-    if data.task == "preference":  # the same refusal as the ranks' (train.run), before any of them starts
-        raise RecipeError("data.task: preference rows train with a DPO step, which longdoc train does not have yet "
-                          "(issue 39); the SFT loss cannot train them (longdoc.corpus.preference)")
     for i, src in enumerate(data.mix):
         if src.source != "rehearsal":  # a rehearsal path is a cache file, made when missing
             check_data_path(src.path, f"data.mix[{i}].path")

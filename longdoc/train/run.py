@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ import torch
 from longdoc.train import checkpoint
 from longdoc.train.config import Recipe, RecipeError
 from longdoc.train.data import StepSchedule, load_sequences
+from longdoc.train.dpo_step import ReferenceCache
 from longdoc.train.loss import ChunkStats, LossModel, check_head
 from longdoc.train.metrics import PeakMemory, Progress
 from longdoc.train.mix import MixSchedule, describe, load_mix
@@ -66,6 +67,8 @@ class Run:
     start_step: int = 0
     skipped_total: int = 0  # non-finite steps skipped over the whole run, checkpoints included
     skipped_in_row: int = 0
+    # preference rows (sigmoid DPO): each row's reference log-probabilities after its first forward
+    reference_cache: ReferenceCache = field(default_factory=ReferenceCache)
 
     @property
     def full_state(self) -> bool:
@@ -118,10 +121,6 @@ def build(recipe: Recipe, world: World, say: Callable[[str], None]) -> Run:
     else:
         seqs = load_sequences(recipe.data, tokenizer, vocab, recipe.seed, main_first=acc.main_process_first,
                               rows_needed=rows_needed)
-    if getattr(seqs, "has_branches", False):
-        # a shared-prefix row under the SFT loss would predict rejected's first token from chosen's last
-        raise RecipeError("data.task: preference rows train with a DPO step, which longdoc train does not have yet "
-                          "(issue 39); the SFT loss cannot train them (longdoc.corpus.preference)")
     seqs, held_out = split_held_out(recipe, seqs, tokenizer, vocab, main_first=acc.main_process_first)
     stopper = EarlyStopping(recipe.eval.patience, recipe.eval.min_delta)
     if not recipe.data.mix:
@@ -138,7 +137,7 @@ def build(recipe: Recipe, world: World, say: Callable[[str], None]) -> Run:
     return Run(recipe=recipe, world=world, say=say, model=model, tokenizer=tokenizer, pad_id=pad_id, seqs=seqs,
                held_out=held_out, schedule=schedule, stopper=stopper, logit_rows=logit_rows, loss_model=loss_model,
                optimizer=optimizer, raw_optimizer=raw_optimizer, scheduler=scheduler, coverage=coverage,
-               peak=PeakMemory(world.device))
+               peak=PeakMemory(world.device), reference_cache=ReferenceCache(recipe.preference.cache_reference))
 
 
 def resume(run: Run, resume_dir: Path | None, ck_root: Path) -> None:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from longdoc.hf import router
 from longdoc.parallel.batch import ROW_LENGTHS
 from longdoc.train.data import StepSchedule, collate, num_tokens, shard_target_weights, step_denominators
+from longdoc.train.dpo_step import dpo_forward_backward
 from longdoc.train.loss import base_causal_lm
 from longdoc.train.run import Run
 from longdoc.train.world import World
@@ -40,6 +41,7 @@ class StepInfo:
     world: World | None = field(default=None, repr=False)
     val_loss: float | None = None  # held-out token-mean loss, on steps that validated
     aux_loss: float | None = None  # MoE models: the router auxiliary loss, mean over the step's forwards
+    metrics: dict[str, float] | None = None  # preference rows: TRL's rewards/* and logps/* (longdoc.train.dpo)
 
 
 def train_step(run: Run, step: int, params: list[torch.Tensor]) -> tuple[StepInfo, int]:
@@ -50,8 +52,14 @@ def train_step(run: Run, step: int, params: list[torch.Tensor]) -> tuple[StepInf
     run.logit_rows.max_rows = 0
     t0 = time.perf_counter()
     step_idx = run.schedule.step_indices(step)
-    loss, grad_norm, local_tokens, aux = forward_backward(acc, world, run.loss_model, params, run.seqs, run.schedule,
-                                                          step, run.pad_id, recipe.optim.max_grad_norm, run.coverage)
+    metrics = None
+    if getattr(run.seqs, "has_branches", False):  # preference rows: the DPO / SimPO step
+        loss, grad_norm, local_tokens, metrics = dpo_forward_backward(run, step, params)
+        aux = 0.0
+    else:
+        loss, grad_norm, local_tokens, aux = forward_backward(acc, world, run.loss_model, params, run.seqs,
+                                                              run.schedule, step, run.pad_id,
+                                                              recipe.optim.max_grad_norm, run.coverage)
     finite = math.isfinite(loss) and math.isfinite(grad_norm)
     if finite:
         run.optimizer.step()
@@ -76,7 +84,8 @@ def train_step(run: Run, step: int, params: list[torch.Tensor]) -> tuple[StepInf
     mine = run.peak.peak_gb()
     (peak_max,) = world.all_reduce([mine], dist.ReduceOp.MAX, "peak memory")
     info = StepInfo(step + 1, loss, lr, grad_norm, tokens, step_s, mine, peak_max, not finite, world)
-    info.aux_loss = aux if acc.unwrap_model(run.loss_model).aux is not None else None
+    info.aux_loss = aux if acc.unwrap_model(run.loss_model).aux is not None and metrics is None else None
+    info.metrics = metrics
     return info, local_tokens
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from tests.support.distributed import run_ranks
-from tests.support.dpo_cases import run_dpo
+from tests.support.dpo_trainer_cases import run_dpo
 from tests.support.trainer_cases import launcher_env
 
 REL = 1e-5

@@ -1,83 +1,125 @@
-"""TRL DPOTrainer runs for the CP DPO tests: tiny preference rows in TRL's text format, a tiny float64 Llama, and
-one function that trains a (CP or plain) DPOTrainer and returns what it logged and its final parameters."""
+"""Shared pieces of the DPO tests: a tiny Llama with LoRA at pinned parameters, one packed row of two preference pairs,
+the two-sequence reference (TRL's layout: prompt+chosen and prompt+rejected as separate rows, the LoRA-disabled
+model as the reference) and longdoc's shared-prefix step on a ContextParallel group.
+
+Rank functions of the dist tests call these, so they live in a plain module (longdoc.runtime.spawn pickles by name).
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from tests.support.trainer_cases import VOCAB, word_tokenizer
-
-# The metrics TRL's DPOTrainer logs per step, which CP must reproduce
-DPO_METRICS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-               "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "entropy", "mean_token_accuracy",
-               "num_tokens")
-PROMPTS = [29, 41, 23, 36, 33, 27, 45, 31]  # prompt tokens per row; chosen and rejected lengths differ per row
-
-
-def preference_rows(seed: int, n: int = 8) -> list[dict]:
-    """{"prompt", "chosen", "rejected"} text rows over the words <3>..<255> (word_tokenizer: one token a word)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def words(k: int) -> str:
-        return " ".join(f"<{i}>" for i in torch.randint(3, VOCAB, (k,), generator=g).tolist())
-
-    return [{"prompt": words(PROMPTS[i % len(PROMPTS)]), "chosen": " " + words(5 + (3 * i) % 11),
-             "rejected": " " + words(4 + (5 * i) % 13)} for i in range(n)]
+# One packed row of two pairs and a trailing token: [prompt 7 | chosen 5 | rejected 6] [prompt 5 | chosen 1 |
+# rejected 7], 32 tokens
+SPANS = ((0, 7, 12, 18), (18, 23, 24, 31))
+N = 32
+BETA, GAMMA = 0.5, 0.3
 
 
-def _on_disk(dataset, path: str):
-    """The dataset saved by rank 0 and read back by every rank: TRL caches precomputed reference log-probs next to
-    the dataset's files, which an in-memory dataset has in a temporary folder of each process's own."""
+def row(seed: int = 11) -> dict:
+    from longdoc.corpus.preference_logps import IGNORE
+
+    ids = torch.randint(0, 256, (N,), generator=torch.Generator().manual_seed(seed)).tolist()
+    labels = [IGNORE] * N
+    for _, c, _, e in SPANS:
+        labels[c:e] = ids[c:e]
+    return {"input_ids": ids, "labels": labels, "branches": [list(s) for s in SPANS]}
+
+
+def lora_model(cp, strategy: str = "ring", dtype: torch.dtype = torch.float32, patched: bool = True):
+    """The tiny Llama (vocabulary 256) with LoRA on q/k/v/o, every trainable parameter moved to a pinned value (so
+    the policy differs from its LoRA-disabled reference), built alike in every process; unpatched if not `patched`."""
+    import longdoc
+    from longdoc.train.config import LoraConfig, ModelConfig, ParallelismConfig, TrainConfig
+    from longdoc.train.modeling import build
+
+    torch.manual_seed(0)
+    model, _ = build(ModelConfig(name="tiny:llama", overrides={"vocab_size": 256}), LoraConfig(enabled=True, r=4),
+                     TrainConfig(activation_checkpointing=False), ParallelismConfig(strategy=strategy), cp, N)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            if p.requires_grad:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    if not patched:
+        longdoc.hf.unpatch(model)
+    return model.to(dtype).eval()
+
+
+def two_sequence(model, r: dict, loss: str, beta: float = BETA, gamma: float = GAMMA) -> dict:
+    """TRL's form: each pair as two rows through the plain model, the LoRA-disabled model as reference; the loss as
+    TRL writes it (mean over pairs). Leaves the gradients in the model; returns loss, (2, pairs) logps, rewards."""
+    from longdoc.corpus.preference_logps import sequence_logp, two_sequence_rows
+
+    model.zero_grad()
+    pol, ref, lengths = [], [], []
+    for s in two_sequence_rows(r):
+        ids = torch.tensor(s["input_ids"])[None]
+        pol.append(sequence_logp(model(input_ids=ids).logits[0], s["labels"]))
+        with torch.no_grad(), model.disable_adapter():
+            ref.append(sequence_logp(model(input_ids=ids).logits[0], s["labels"]))
+        lengths.append(sum(1 for y in s["labels"] if y != -100))
+    pol, ref = torch.stack(pol).view(-1, 2).T, torch.stack(ref).view(-1, 2).T  # (2, pairs): chosen, rejected
+    lengths = torch.tensor(lengths, dtype=pol.dtype).view(-1, 2).T
+    if loss == "sigmoid":
+        ratios = pol - ref
+        value = -F.logsigmoid(beta * (ratios[0] - ratios[1])).mean()
+    else:
+        ratios = pol / lengths
+        value = -F.logsigmoid(beta * (ratios[0] - ratios[1]) - gamma).mean()
+    value.backward()
+    grads = {n: p.grad.detach().double().clone() for n, p in model.named_parameters() if p.grad is not None}
+    rewards = beta * ratios.detach()
+    return {"loss": value.detach().double(), "logps": pol.detach().double(), "ref": ref.double(),
+            "rewards": rewards.double(), "grads": grads}
+
+
+def shared_prefix(model, cp, r: dict, loss: str, beta: float = BETA, gamma: float = GAMMA, chunk: int = 5) -> dict:
+    """longdoc's step on `cp`: the row sharded, the DPO share from this rank's hidden states, gradients and the loss
+    summed over the group (as the trainer's DDP does)."""
     import torch.distributed as dist
-    from datasets import load_from_disk
 
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        dataset.save_to_disk(path)
-    if dist.is_initialized():
-        dist.barrier()
-    return load_from_disk(path)
+    from longdoc.parallel.batch import ROW_LENGTHS
+    from longdoc.parallel.batch_branches import BRANCHES
+    from longdoc.parallel.layout import Branches
+    from longdoc.train.dpo import DpoBatch, pair_targets, preference_losses
+    from longdoc.train.loss import LossModel
+
+    batch = {"input_ids": torch.tensor(r["input_ids"])[None], "labels": torch.tensor(r["labels"])[None],
+             "branches": [Branches(tuple(tuple(s) for s in r["branches"]))]}
+    local = cp.shard_batch(batch)
+    targets = pair_targets(batch, cp)
+    model.zero_grad()
+    share, stats = LossModel(model, chunk)(local["input_ids"], local["position_ids"],
+                                           cu_seq_lens=local["cu_seq_lens_q"], row_lengths=local.get(ROW_LENGTHS),
+                                           branches=local[BRANCHES],
+                                           dpo=DpoBatch(targets, loss, beta, gamma, len(r["branches"]), cp))
+    share.backward()
+    total = share.detach().double().clone()
+    grads = {}
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            g = p.grad.detach().double().clone()
+            if cp.size > 1:
+                dist.all_reduce(g, group=cp.group)
+            grads[n] = g
+    if cp.size > 1:
+        dist.all_reduce(total, group=cp.group)
+    pl = preference_losses(stats[:2], stats[2:] if loss == "sigmoid" else None, targets.lengths, loss, beta, gamma)
+    rewards = torch.stack([pl.chosen_rewards, pl.rejected_rewards]).double()
+    return {"loss": total, "logps": stats[:2].double(), "ref": stats[2:].double(), "rewards": rewards,
+            "grads": grads}
 
 
-def run_dpo(case: dict, out: str, cp_size: int | None, dp: int = 1) -> dict:
-    """Train `case` for 2 steps (then evaluate); cp_size None: plain trl.DPOTrainer in this process, its train batch
-    times dp so that the global batch matches."""
-    from datasets import Dataset
-    from peft import LoraConfig, get_peft_model
-    from trl import DPOConfig, DPOTrainer
+def errors(got: dict, want: dict, loss: str) -> dict[str, float]:
+    """Largest relative errors: loss, log-probabilities, rewards, and over every parameter gradient."""
+    def rel(a, b):
+        return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
-    from longdoc.hf import is_patched
-    from longdoc.hf.dpo_trainer import CPDPOTrainerMixin
-    from longdoc.models import tiny_model
-
-    model = tiny_model("llama", dtype=torch.float64, vocab_size=VOCAB)
-    ref_model = None
-    if case.get("lora", True):
-        torch.manual_seed(0)  # LoRA's A matrices from the global RNG: the same in the reference and every rank
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    elif not case.get("precompute"):
-        ref_model = tiny_model("llama", dtype=torch.float64, vocab_size=VOCAB)  # the same seed: a copy
-    args = DPOConfig(output_dir=out, max_steps=2, learning_rate=case.get("lr", 1e-2), lr_scheduler_type="constant",
-                     optim="sgd",  # the step is lr x gradient: parameters compare like gradients (Adam divides by
-                     # sqrt(v) + eps, which turns a 1e-12 gradient difference on a ~eps gradient into a visible one)
-                     per_device_train_batch_size=case["batch"] * (dp if cp_size is None else 1),
-                     gradient_accumulation_steps=case["accum"],
-                     per_device_eval_batch_size=2, logging_steps=1, report_to="none", use_cpu=True, seed=0,
-                     bf16=False, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, max_length=None,
-                     beta=0.1, loss_type=case.get("loss_type", ["sigmoid"]), ld_alpha=case.get("ld_alpha"),
-                     precompute_ref_log_probs=case.get("precompute", False),
-                     gradient_checkpointing=case.get("checkpointing", False))
-    train, evals = Dataset.from_list(preference_rows(0)), Dataset.from_list(preference_rows(1, 4))
-    if case.get("precompute"):
-        train, evals = _on_disk(train, f"{out}/train"), _on_disk(evals, f"{out}/eval")
-    extra = {} if cp_size is None else {"cp_size": cp_size}
-    base = DPOTrainer if cp_size is None else type("CPDPOTrainer", (CPDPOTrainerMixin, DPOTrainer), {})
-    trainer = base(model=model, ref_model=ref_model, args=args, processing_class=word_tokenizer(),
-                   train_dataset=train, eval_dataset=evals, **extra)
-    trainer.train()
-    logs = [{k: h.get(k) for k in DPO_METRICS} for h in trainer.state.log_history if "loss" in h]
-    metrics = trainer.evaluate()
-    # the separate reference model runs under CP too (not merely unsharded, which would also give the right values)
-    ref_patched = None if trainer.ref_model is None else is_patched(trainer.ref_model)
-    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
-    return {"logs": logs, "eval": {k: metrics.get(f"eval_{k}") for k in DPO_METRICS if k != "grad_norm"},
-            "params": params, "ref_patched": ref_patched}
+    out = {k: rel(got[k], want[k]) for k in ("loss", "logps", "rewards")}
+    if loss == "sigmoid":
+        out["ref"] = rel(got["ref"], want["ref"])
+    assert set(got["grads"]) == set(want["grads"]), sorted(set(got["grads"]) ^ set(want["grads"]))[:4]
+    out["grads"] = max(rel(got["grads"][n], want["grads"][n]) for n in want["grads"])
+    return out

@@ -195,3 +195,23 @@ def test_mix_step_bench_rows_match_the_training_weights():
         assert float(t["loss_weights"].sum()) == pytest.approx(40 + 0.1 * doc)
         assert float(t["kl_weights"].sum()) == pytest.approx(doc) and int(t["num_kl_tokens"]) == doc
         assert bool((t["labels"][0, :-1][t["labels"][0, :-1] != -100] == ids[0, 1:][t["labels"][0, :-1] != -100]).all())
+
+
+def test_dpo_step_bench_layouts_predict_the_same_answer_tokens():
+    """The DPO-step bench's two layouts ask the same question of the model: the same answer tokens, each predicted
+    from the same context (the prompt, then the answer so far), so their log-probabilities agree and only the cost
+    differs; the shared layout's rejected tokens start from the prompt's last position."""
+    import torch
+
+    import longdoc
+    from longdoc.bench.dpo_step import DpoStepBenchConfig, _shared, _two_sequence
+
+    cfg = DpoStepBenchConfig(prompt=64, answer=5, autocast=False)
+    ids = torch.randint(0, 1000, (64 + 10,), generator=torch.Generator().manual_seed(0))
+    (two_batch, two), (shared_batch, shared) = _two_sequence(cfg, ids), _shared(cfg, ids, longdoc.ContextParallel())
+    assert two_batch["input_ids"].shape == (2, 69) and shared_batch["input_ids"].shape == (1, 74)
+    for t in (two, shared):
+        assert t.token.tolist() == ids[64:].tolist() and t.slot.tolist() == [0] * 5 + [1] * 5
+        assert t.lengths.flatten().tolist() == [5.0, 5.0]
+    assert two.logit.tolist() == [63, 64, 65, 66, 67] + [69 + 63, 69 + 64, 69 + 65, 69 + 66, 69 + 67]
+    assert shared.logit.tolist() == [63, 64, 65, 66, 67] + [63, 69, 70, 71, 72]

@@ -8,4 +8,4 @@ def test_cli_env_and_help_list_every_verb(capsys):
     out = capsys.readouterr().out
     assert "torch" in out and "cpu block kernel" in out
     verbs = set(build_parser()._subparsers._group_actions[0].choices)
-    assert {"data", "train", "eval", "bench", "plan", "verify", "env"} <= verbs
+    assert {"data", "train", "eval", "ask", "bench", "plan", "verify", "env"} <= verbs

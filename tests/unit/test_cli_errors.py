@@ -81,6 +81,8 @@ CASES = [
     (["train", "recipe.yaml", "train.stepz=3"], CP1, CP2,
      "longdoc train: error: unknown recipe key train.stepz (did you mean train.steps?)"),
     pytest.param(["train", "missing.yaml"], CP1, CP2, "longdoc train: error: ", marks=SLOW),
+    pytest.param(["ask", "alibi", "qa.jsonl", "--question", "fee?"], ["--cp", "1"], ["--cp", "2"],
+                 f"longdoc ask: error: {REFUSED}", marks=SLOW),
 ]
 
 

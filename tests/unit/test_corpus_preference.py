@@ -217,12 +217,29 @@ def test_training_loader_reads_preference_rows_and_refuses_a_mismatch(tok, tmp_p
     assert load_sequences(DataConfig(path=str(rows), task="preference", seq_len=1024), tok, len(tok), 0).has_branches
 
 
-def test_train_refuses_preference_rows_before_any_rank(tmp_path):
+def test_train_preflight_accepts_preference_rows_and_refuses_what_dpo_cannot(tmp_path, capsys):
+    """The DPO step exists (longdoc.train.dpo): a preference recipe passes the parent's checks; sigmoid DPO without
+    LoRA, a simpo margin on the sigmoid loss, a mix and validation are refused in one line with exit 2."""
+    import yaml
+
+    from longdoc.cli import main
     from longdoc.train.config import RecipeError, recipe_from_dict
     from longdoc.train.preflight import check_recipe
 
     path = _jsonl(tmp_path / "p.jsonl", [TEXT])
-    recipe = recipe_from_dict({"model": {"name": "tiny:llama"}, "output_dir": str(tmp_path / "out"),
-                               "data": {"path": path, "task": "preference", "seq_len": 1024}})
-    with pytest.raises(RecipeError, match="data.task: preference rows train with a DPO step"):
-        check_recipe(recipe)
+    base = {"model": {"name": "tiny:llama"}, "output_dir": str(tmp_path / "out"), "lora": {"enabled": True},
+            "data": {"path": path, "task": "preference", "seq_len": 1024}}
+    check_recipe(recipe_from_dict(base))
+    check_recipe(recipe_from_dict(base, ["lora.enabled=false", "preference.loss=simpo", "preference.simpo_gamma=1"]))
+    for overrides, needle in ((["lora.enabled=false"], "sigmoid DPO needs lora.enabled"),
+                              (["preference.simpo_gamma=1"], "applies to preference.loss=simpo only"),
+                              (["preference.loss=orpo"], "preference.loss: must be one of"),
+                              (["preference.beta=0"], "preference.beta: must be positive"),
+                              (["eval.holdout=1"], "validation computes the SFT loss")):
+        with pytest.raises(RecipeError, match=needle):
+            recipe_from_dict(base, overrides)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(base))
+    assert main(["train", str(recipe), "lora.enabled=false", "--print"], catch=True) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "sigmoid DPO needs lora.enabled" in err[0]

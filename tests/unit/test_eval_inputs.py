@@ -182,7 +182,8 @@ def test_the_general_set_rotates_every_sentence_over_each_length_in_one_prompt_l
 
     docs = tmp_path / "manuals"
     docs.mkdir()
-    (docs / "manual.txt").write_text("\n".join(f"Step {i}: turn the dial to position {i} and wait." for i in range(400)))
+    text = "\n".join(f"Step {i}: turn the dial to position {i} and wait." for i in range(400))
+    (docs / "manual.txt").write_text(text)
     out = tmp_path / "o"
     assert main(["eval", "needle", "--model", "tiny:llama", "--domain", "general", "--haystack", str(docs),
                  "--lengths", "256,512", "--depths", "0,0.25,0.5,0.75,1", "--repeats", "2", *COMMON,

@@ -54,7 +54,7 @@ def _check_parses(command: str) -> None:
     args = build_parser().parse_args(words[1:])
     if args.verb == "train":
         load_recipe(args.recipe, args.overrides)
-    elif args.verb == "eval":
+    elif args.verb in ("eval", "ask"):  # ask takes eval's model options and their checks
         config(args)
 
 
