@@ -21,6 +21,7 @@ Bad files raise `DocumentError` (problem, fix, reason); `longdoc.corpus.sources`
 
 from __future__ import annotations
 
+import logging
 import codecs
 import importlib
 import re
@@ -84,6 +85,8 @@ def _unreadable(kind: str, e: Exception, fix: str) -> DocumentError:
 def read_pdf(path: Path) -> Document:
     pypdf = _library("pypdf", "pypdf", ".pdf")
     fix = "Check that it opens in a PDF viewer, or export it again"
+    quiet = logging.getLogger("pypdf")  # its warnings on a damaged file ("EOF marker not found") would come before
+    level, quiet.level = quiet.level, logging.ERROR  # our one line; what it cannot read raises, and is reported
     try:
         reader = pypdf.PdfReader(str(path))
         if reader.is_encrypted and not _decrypts(reader):
@@ -95,6 +98,8 @@ def read_pdf(path: Path) -> Document:
         raise
     except Exception as e:  # pypdf raises many types on damaged files; all mean "cannot read this one"
         raise _unreadable("PDF", e, fix) from None
+    finally:
+        quiet.setLevel(level)
     if not any(p.strip() for p in pages):
         raise DocumentError(f"no text layer on any of its {len(pages)} page(s): a scanned PDF? OCR is not "
                             "supported", "Run OCR first (e.g. ocrmypdf in.pdf out.pdf) and give the result",

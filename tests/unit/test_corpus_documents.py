@@ -215,3 +215,17 @@ def test_every_skipped_file_is_named_not_just_the_first_few(tmp_path, capsys):
                  str(tmp_path / "cache"), "--out", str(tmp_path / "rows.jsonl"), "--skip-bad"]) == 0
     err = capsys.readouterr().err
     assert all(name in err for name in [*bad, "scan.png"]), err
+
+
+def test_a_damaged_pdf_is_one_line_on_stderr_and_exit_2(tmp_path, capfd):
+    """pypdf's own warnings on a damaged file ("EOF marker not found") stay quiet: the user sees our one line."""
+    import logging
+
+    from longdoc.cli import main
+
+    path = tmp_path / "broken.pdf"
+    path.write_bytes(b"%PDF-1.4\n1 0 obj garbage\n")
+    assert main(["data", "prepare", str(path), "--out", str(tmp_path / "o.jsonl")]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "broken.pdf: not a readable PDF file" in err[0], err
+    assert logging.getLogger("pypdf").level == logging.NOTSET  # put back as it was
