@@ -21,9 +21,9 @@ Bad files raise `DocumentError` (problem, fix, reason); `longdoc.corpus.sources`
 
 from __future__ import annotations
 
-import logging
 import codecs
 import importlib
+import logging
 import re
 from collections import Counter
 from dataclasses import dataclass, field
