@@ -178,6 +178,11 @@ def performance() -> str:
             from longdoc.bench import tiled_mlp
 
             parts += [f"### Tiled MLP step-time cost: docs/bench/{path.name}", "", tiled_mlp.to_markdown(data)]
+        elif {"median_s", "ratio"} <= set(data) and "two-sequence" in data["median_s"]:
+            from longdoc.bench import dpo_step
+
+            parts += [f"### DPO step, shared prompt vs two sequences: docs/bench/{path.name}", "",
+                      dpo_step.to_markdown(data)]
         elif data.get("kind") == "gpu-check":
             parts += [f"### GPU check: docs/bench/{path.name}", "", gpu_check_markdown(data)]
         elif data.get("kind") == "longest-matrix":
