@@ -3,14 +3,6 @@
 Used by tests, `longdoc verify` and `longdoc bench` to run CP on one machine without a launcher
 (multi-node runs use `accelerate launch`).
 
-Ranks are forked from a server process that has imported torch, transformers and longdoc's CP layers once
-(multiprocessing's "forkserver" start method, where the platform has it; LONGDOC_START_METHOD=spawn starts each
-rank as a fresh interpreter instead): starting two ranks then takes about a quarter of a second instead of the
-several seconds of importing torch and transformers in every rank, which is most of what a short CP run (a
-`--cp 2` evaluation, a test) used to spend. Each rank still starts clean: it is a fork of the server (which only
-imported modules, never computed), not of the caller, and it takes the caller's environment variables as they are
-at the call (set before any module reads them again; a module that read one at import reads the server's).
-
 Every collective gets a process-group timeout, the whole run a wall-clock deadline, and leftover
 processes are killed. A rank's exception comes back with its traceback, except the types named in
 `input_errors` (the command lines pass longdoc.errors.USER_ERRORS): those are bad input, raised alike on
@@ -60,24 +52,7 @@ def _no_progress_bars() -> None:
         sys.modules["huggingface_hub"].utils.disable_progress_bars()
 
 
-# What the fork server imports once, for every rank it starts (the import takes seconds; the fork does not).
-PRELOAD = ["torch", "transformers", "longdoc.runtime.launch", "longdoc.parallel", "longdoc.hf"]
-
-
-def _context():
-    """The multiprocessing context ranks start in: forkserver with PRELOAD where available, else spawn."""
-    method = os.environ.get("LONGDOC_START_METHOD") or (
-        "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
-    ctx = mp.get_context(method)
-    if method == "forkserver":
-        ctx.set_forkserver_preload(PRELOAD)  # read when the server starts (the first call), ignored afterwards
-    return ctx
-
-
-def _entry(rank, world_size, init_file, pg_timeout, threads, fn, args, results, input_errors=(), environ=None):
-    if environ is not None:  # the caller's environment at the call, not the fork server's from its start
-        os.environ.clear()
-        os.environ.update(environ)
+def _entry(rank, world_size, init_file, pg_timeout, threads, fn, args, results, input_errors=()):
     import torch
 
     from longdoc.runtime.budgets import return_freed_memory
@@ -108,13 +83,13 @@ def run_local(world_size: int, fn: Callable[..., Any], *args: Any, deadline: flo
     wins over other ranks' tracebacks, which are then consequences such as a peer timing out); the ranks
     still running get `input_error_grace` seconds to finish or raise the same, then are stopped.
     """
-    ctx = _context()
+    ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "pg_init")
         procs = [
             ctx.Process(target=_entry, args=(r, world_size, init_file, pg_timeout, threads, fn, args, results,
-                                             tuple(input_errors), dict(os.environ)), daemon=True)
+                                             tuple(input_errors)), daemon=True)
             for r in range(world_size)
         ]
         for p in procs:
