@@ -20,7 +20,6 @@ need no padding.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -28,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from longdoc.bench.mix_step import _native_bf16
+from longdoc.bench.mix_step import _native_bf16, step_bench_main
 
 
 @dataclass(kw_only=True)
@@ -151,20 +150,10 @@ def to_markdown(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m longdoc.bench.dpo_step", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="2 layers, a 1k-token prompt, one timed step")
-    p.add_argument("--repeats", type=int, default=None)
-    p.add_argument("--out", default=None, help="also write the result as JSON here")
-    args = p.parse_args(argv)
-    cfg = QUICK if args.quick else DpoStepBenchConfig()
-    if args.repeats is not None:
-        cfg = DpoStepBenchConfig(**{**asdict(cfg), "repeats": args.repeats})
-    res = run(cfg)
-    print(to_markdown(res))
-    if args.out:
-        from longdoc.eval import report
+    import sys
 
-        report.write_json(args.out, res)
+    step_bench_main(argv, sys.modules[__name__], DpoStepBenchConfig(), QUICK,
+                    "2 layers, a 1k-token prompt, one timed step")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -135,21 +136,30 @@ def to_markdown(res: dict) -> str:
         "| step | seconds (median) | / answers |", "|---|---|---|", *rows])
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m longdoc.bench.mix_step", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="2 layers, 1k tokens, one timed step")
+def step_bench_main(argv: list[str] | None, module: Any, default: Any, quick: Any, quick_help: str) -> None:
+    """The command line every step-time bench shares (`python -m longdoc.bench.<module>`): --quick, --repeats,
+    --out; prints the module's table and writes its result as JSON."""
+    name = module.__spec__.name if module.__spec__ is not None else module.__name__  # run as -m: __main__
+    p = argparse.ArgumentParser(prog=f"python -m {name}", description=module.__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help=quick_help)
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--out", default=None, help="also write the result as JSON here")
     args = p.parse_args(argv)
-    cfg = QUICK if args.quick else MixStepBenchConfig()
+    cfg = quick if args.quick else default
     if args.repeats is not None:
-        cfg = MixStepBenchConfig(**{**asdict(cfg), "repeats": args.repeats})
-    res = run(cfg)
-    print(to_markdown(res))
+        cfg = type(cfg)(**{**asdict(cfg), "repeats": args.repeats})
+    res = module.run(cfg)
+    print(module.to_markdown(res))
     if args.out:
         from longdoc.eval import report
 
         report.write_json(args.out, res)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import sys
+
+    step_bench_main(argv, sys.modules[__name__], MixStepBenchConfig(), QUICK, "2 layers, 1k tokens, one timed step")
 
 
 if __name__ == "__main__":
