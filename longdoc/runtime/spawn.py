@@ -3,6 +3,14 @@
 Used by tests, `longdoc verify` and `longdoc bench` to run CP on one machine without a launcher
 (multi-node runs use `accelerate launch`).
 
+Ranks are forked from a server process that has imported torch, transformers and longdoc's CP layers once
+(multiprocessing's "forkserver" start method, where the platform has it; LONGDOC_START_METHOD=spawn starts each
+rank as a fresh interpreter instead): starting two ranks then takes about a quarter of a second instead of the
+several seconds of importing torch and transformers in every rank, which is most of what a short CP run (a
+`--cp 2` evaluation, a test) used to spend. Each rank still starts clean: it is a fork of the server (which only
+imported modules, never computed), not of the caller, and it takes the caller's environment variables as they are
+at the call (set before any module reads them again; a module that read one at import reads the server's).
+
 Every collective gets a process-group timeout, the whole run a wall-clock deadline, and leftover
 processes are killed. A rank's exception comes back with its traceback, except the types named in
 `input_errors` (the command lines pass longdoc.errors.USER_ERRORS): those are bad input, raised alike on
@@ -11,12 +19,12 @@ every rank, and come back as the exception itself, so the parent shows the same 
 
 from __future__ import annotations
 
-import datetime
 import os
-import queue
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
+from multiprocessing.connection import wait
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -52,7 +60,24 @@ def _no_progress_bars() -> None:
         sys.modules["huggingface_hub"].utils.disable_progress_bars()
 
 
-def _entry(rank, world_size, init_file, pg_timeout, threads, fn, args, results, input_errors=()):
+# What the fork server imports once, for every rank it starts (the import takes seconds; the fork does not).
+PRELOAD = ["torch", "transformers", "longdoc.runtime.launch", "longdoc.parallel", "longdoc.hf"]
+
+
+def _context():
+    """The multiprocessing context ranks start in: forkserver with PRELOAD where available, else spawn."""
+    method = os.environ.get("LONGDOC_START_METHOD") or (
+        "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)  # read when the server starts (the first call), ignored afterwards
+    return ctx
+
+
+def _entry(rank, world_size, init_file, pg_timeout, threads, fn, args, report, input_errors=(), environ=None):
+    if environ is not None:  # the caller's environment at the call, not the fork server's from its start
+        os.environ.clear()
+        os.environ.update(environ)
     import torch
 
     from longdoc.runtime.budgets import return_freed_memory
@@ -62,15 +87,50 @@ def _entry(rank, world_size, init_file, pg_timeout, threads, fn, args, results, 
     torch.set_num_threads(threads)
     if rank != 0:
         _no_progress_bars()
+    # `report` is this rank's own pipe, and send() returns once the result is in it: a rank that exits right
+    # after reporting (a bad recipe refused at once) never loses its message, as a Queue's feeder thread can.
     try:
         with process_group("gloo", timeout=pg_timeout, init_method=f"file://{init_file}", rank=rank,
                            world_size=world_size):
             # reported before the group is torn down, so a slow teardown never delays the result
-            results.put((rank, "ok", fn(rank, world_size, *args)))
+            report.send(("ok", fn(rank, world_size, *args)))
     except input_errors as e:
-        results.put((rank, "input_error", _portable(e)))
+        report.send(("input_error", _portable(e)))
     except BaseException:  # noqa: BLE001 - report everything, including KeyboardInterrupt
-        results.put((rank, "error", traceback.format_exc()))
+        report.send(("error", traceback.format_exc()))
+    finally:
+        report.close()
+
+
+def _collect(procs, readers, deadline: float, pg_timeout: float, input_error_grace: float) -> dict[int, tuple]:
+    """Each rank's (status, value) as it arrives, until all have reported or the deadline passes. A rank
+    that failed or ended without reporting (killed, crashed) takes no part in the others' collectives: they
+    then get one process-group timeout (at most a minute) to notice and report, no more."""
+    out: dict[int, tuple[str, Any]] = {}
+    end = time.monotonic() + deadline
+    pending = dict(enumerate(readers))
+    while pending:
+        left = end - time.monotonic()
+        if left <= 0:
+            break
+        ready = set(wait(list(pending.values()) + [procs[r].sentinel for r in pending], timeout=left))
+        for r, conn in list(pending.items()):
+            if conn in ready or procs[r].sentinel in ready:
+                ended = procs[r].exitcode is not None
+                try:
+                    if conn.poll():
+                        out[r] = conn.recv()
+                except (EOFError, OSError):  # the rank's pipe closed without a message: it died
+                    ended = True
+                if r in out or ended:
+                    del pending[r]
+                    if r not in out or out[r][0] == "error":  # the others wait on it in vain, or fail soon
+                        end = min(end, time.monotonic() + min(pg_timeout, 60) + 10)
+                    elif out[r][0] == "input_error":  # bad input: the others raise the same soon, or wait in vain
+                        end = min(end, time.monotonic() + input_error_grace)
+        if pending and all(procs[r].exitcode is not None for r in pending):
+            break
+    return out
 
 
 def run_local(world_size: int, fn: Callable[..., Any], *args: Any, deadline: float = 300,
@@ -83,42 +143,30 @@ def run_local(world_size: int, fn: Callable[..., Any], *args: Any, deadline: flo
     wins over other ranks' tracebacks, which are then consequences such as a peer timing out); the ranks
     still running get `input_error_grace` seconds to finish or raise the same, then are stopped.
     """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    ctx = _context()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "pg_init")
+        pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
         procs = [
-            ctx.Process(target=_entry, args=(r, world_size, init_file, pg_timeout, threads, fn, args, results,
-                                             tuple(input_errors)), daemon=True)
+            ctx.Process(target=_entry, args=(r, world_size, init_file, pg_timeout, threads, fn, args, pipes[r][1],
+                                             tuple(input_errors), dict(os.environ)), daemon=True)
             for r in range(world_size)
         ]
-        for p in procs:
-            p.start()
-        out: dict[int, tuple[str, Any]] = {}
-        end = datetime.datetime.now() + datetime.timedelta(seconds=deadline)
         try:
-            while len(out) < world_size:
-                left = (end - datetime.datetime.now()).total_seconds()
-                if left <= 0:
-                    break
-                try:
-                    rank, status, value = results.get(timeout=min(left, 1.0))
-                    out[rank] = (status, value)
-                    if status == "input_error":  # bad input: the others raise the same soon, or wait in vain
-                        end = min(end, datetime.datetime.now() + datetime.timedelta(seconds=input_error_grace))
-                except queue.Empty:
-                    # A rank that exited without reporting (killed, crashed while starting) will never
-                    # answer; the others get one process-group timeout to notice and report, no more.
-                    if any(p.exitcode is not None for r, p in enumerate(procs) if r not in out):
-                        end = min(end, datetime.datetime.now() + datetime.timedelta(seconds=pg_timeout + 10))
-                        if all(p.exitcode is not None for r, p in enumerate(procs) if r not in out):
-                            break
+            for p, (_, send) in zip(procs, pipes):
+                p.start()
+                send.close()  # the rank holds the only writing end: its exit closes the pipe
+            out = _collect(procs, [recv for recv, _ in pipes], deadline, pg_timeout, input_error_grace)
         finally:
             for p in procs:
+                if p.pid is None:
+                    continue
                 p.join(timeout=5)
                 if p.is_alive():
                     p.kill()
                     p.join()
+            for recv, _ in pipes:
+                recv.close()
     refused = [value for _, (status, value) in sorted(out.items()) if status == "input_error"]
     if refused:
         raise refused[0]

@@ -14,6 +14,7 @@ to the step's exact token-mean gradient is in longdoc.train.step.
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,9 +60,9 @@ class TrainResult:
 def _check_output(out: Path) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write-probe-{id(out)}"
-        probe.write_text("ok")
-        probe.unlink()
+        # a name of its own on every rank (ranks forked from one server share object ids) and every node
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-probe-"):
+            pass
     except OSError as e:
         raise RecipeError(f"output_dir {out} is not writable ({e}); choose another output_dir=...") from e
 
