@@ -113,7 +113,7 @@ def _collect(procs, readers, deadline: float, pg_timeout: float, input_error_gra
         left = end - time.monotonic()
         if left <= 0:
             break
-        ready = set(wait(list(pending.values()) + [procs[r].sentinel for r in pending], timeout=left))
+        ready = set(wait(list(pending.values()) + [procs[r].sentinel for r in pending], timeout=min(left, 3600)))
         for r, conn in list(pending.items()):
             if conn in ready or procs[r].sentinel in ready:
                 ended = procs[r].exitcode is not None
