@@ -1,8 +1,9 @@
 """Your own documents, end to end: the commands of docs/guides/your-documents.md, run in order as the guide writes
 them. A folder of PDF, DOCX, HTML and text files -> continued pretraining with the no-harm mix -> (optionally) a
 chat run -> base vs tuned on your own questions, the needle and the RULER-style suite with your documents as the
-haystack. The guide is the one copy of the commands: this script reads them from it, sets the guide's variables
-(your files from the arguments, the sizes from the guide's walk or smoke line), and prints each command first.
+haystack -> preference pairs from your questions and DPO from the tuned model -> a question asked of the folder.
+The guide is the one copy of the commands: this script reads them from it, sets the guide's variables (your files
+from the arguments, the sizes from the guide's walk or smoke line), and prints each command first.
 
     python examples/your_documents.py my_contracts/ --questions my_questions.jsonl --chat my_chats.jsonl --out runs/mine
     python examples/your_documents.py my_contracts/ --questions my_questions.jsonl --out runs/mine --smoke
@@ -99,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     for command in commands(text):
         if a.chat or "$CHATS" not in command:
             run(command, env)
-    print(f"done: {env['OUT']}/compare (summary.md, plots); the tuned model: {env['OUT']}/pretrain/final")
+    print(f"done: {env['OUT']}/compare (summary.md, plots); the tuned model: {env['OUT']}/pretrain/final; "
+          f"preference-tuned: {env['OUT']}/dpo/final")
     return 0
 
 

@@ -3,10 +3,12 @@
 examples/your_documents.py reads the guide's commands and runs them in order as written (the guide is their one
 copy). Fast: every command of the guide, at the walk's sizes and at its smoke sizes, parses as a `longdoc` command
 and its recipe overrides load (unknown keys, warmup beyond the steps and bad values are errors there); the README's
-CLI lines too, among them its two own-documents lines. Slow: the walk itself at the smoke sizes, in a fresh copy of
-the repository's tracked files (what a clone of a commit of them holds: no runs/, caches or untracked files) on a
-folder of generated PDF, DOCX, HTML and text: prepare, continued pretraining with the no-harm mix at cp=2, the chat
-length report and a chat run, base vs tuned on the user's questions, the needle and the RULER-style suite."""
+CLI lines too, among them its two own-documents lines, and those of the guides it points to for preference tuning
+and asking (training, evaluation). Slow: the walk itself at the smoke sizes, in a fresh copy of the repository's
+tracked files (what a clone of a commit of them holds: no runs/, caches or untracked files) on a folder of generated
+PDF, DOCX, HTML and text: prepare, continued pretraining with the no-harm mix at cp=2, the chat length report and a
+chat run, base vs tuned on the user's questions, the needle and the RULER-style suite, preference pairs from those
+questions and DPO from the tuned model, and a question asked of the folder at cp=2."""
 
 from __future__ import annotations
 
@@ -62,7 +64,7 @@ def test_every_guide_and_readme_command_parses(monkeypatch):
     monkeypatch.chdir(ROOT)  # the recipes are named relative to the repository root
     example, text = _example(), GUIDE.read_text(encoding="utf-8")
     commands = example.commands(text)
-    assert commands == _guide_commands(text) and len(commands) == 6
+    assert commands == _guide_commands(text) and len(commands) == 9
     walk, smoke = example.settings(text)
     assert walk["MODEL"] == "SmolLM2-135M-Instruct" and smoke["MODEL"].startswith("tiny:")
     for sizes in (walk, smoke):
@@ -74,6 +76,11 @@ def test_every_guide_and_readme_command_parses(monkeypatch):
     assert len(own) == 2 and len(readme) >= 10, readme
     for command in readme:
         _check_parses(command)
+    for guide in ("training.md", "evaluation.md"):  # preference tuning and `longdoc ask`, where the guide points
+        linked = _guide_commands((GUIDE.parent / guide).read_text(encoding="utf-8"))
+        assert linked, guide
+        for command in linked:
+            _check_parses(command)
 
 
 def _user_files(root: Path) -> dict[str, Path]:
@@ -106,20 +113,26 @@ def _tracked_copy(dest: Path) -> Path:
     return dest
 
 
-@pytest.mark.slow  # 6 commands, 2 trainings and the comparison at cp=2: 2 CPU-minutes, 5 on 2 busy cores
+@pytest.mark.slow  # 9 commands, 3 trainings, the comparison and the ask at cp=2: 3 CPU-minutes, 7 on 2 busy cores
 def test_the_guide_runs_as_written_in_a_fresh_copy(tmp_path):
     clone = _tracked_copy(tmp_path / "clone")
     mine, out = _user_files(tmp_path), tmp_path / "out"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(clone)}
     done = subprocess.run([sys.executable, str(clone / "examples" / "your_documents.py"), str(mine["docs"]),
                            "--questions", str(mine["questions"]), "--chat", str(mine["chats"]), "--out", str(out),
-                           "--smoke"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+                           "--smoke"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     guide = _guide_commands((clone / "docs" / "guides" / "your-documents.md").read_text(encoding="utf-8"))
-    assert done.stdout.count("$ longdoc ") == len(guide) == 6, done.stdout
+    assert done.stdout.count("$ longdoc ") == len(guide) == 9, done.stdout
     for command in guide:
         assert f"$ {command}\n" in done.stdout, command
     assert (out / "pretrain" / "final").is_dir() and (out / "chat" / "final").is_dir() and (out / "chats").exists()
     summary = (out / "compare" / "summary.md").read_text()
     assert "qa" in summary.lower() and "needle" in summary.lower() and "ruler" in summary.lower()
     assert "scan.png" in summary and "scan.png" in done.stdout  # left out by --skip-bad, and named
+    assert re.search(r"^made 2 pairs ", done.stdout, re.M), done.stdout  # both questions, each the other's rejected
+    assert (out / "pairs.jsonl").is_file() and (out / "dpo" / "final").is_dir()
+    ask = next(shlex.split(c) for c in guide if c.startswith("longdoc ask "))
+    question = ask[ask.index("--question") + 1]
+    assert f"Q: {question}\nA: " in done.stdout, done.stdout[-3000:]  # the answer: a tiny random model's words
+    assert re.search(r"^prefill: [\d,]+ tokens in [\d.]+ s \(cp=2\)$", done.stderr, re.M), done.stderr[-3000:]
