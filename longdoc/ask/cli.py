@@ -18,8 +18,10 @@ stderr (`prefill: 12,345 tokens in 3.2 s (cp=2)`), the answers to stdout.
 
 Bad input is found before any rank starts or any weights load, and is one line on stderr with exit status 2: a
 missing or unreadable file, an unsupported file type, a document longer than the model's context (the line
-names the --rope-type/--rope-factor that fits it). --skip-bad leaves out the files longdoc cannot read and names
-each on stderr instead.
+names the --rope-type/--rope-factor that fits it), a prefill larger than the memory of one rank (priced from the
+model's config: the line names the smallest --cp that fits; local CPU ranks share this host's memory and each holds
+the weights, so there it names the ranks across nodes that would). --skip-bad leaves out the files longdoc cannot
+read and names each on stderr instead.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from longdoc import cliargs
+from longdoc.ask import fit
 from longdoc.eval.cli import common_args
 
+_SHORTEN = "ask about fewer or shorter files"
 _FILES = ".txt/.md/.pdf/.docx/.html files or folders of them, or jsonl/json/parquet/csv with a text field"
 
 
@@ -65,12 +69,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def prepare(cfg: dict[str, Any]) -> dict[str, Any]:
     """`cfg` with the document's prompt ids ("prefix_ids"), after every check that needs no weights: the files
-    exist and read, the questions are not empty, the prompt plus question and answer fit the model's context."""
+    exist and read, the questions are not empty, the prompt plus question and answer fit the model's context, the
+    prefill fits the memory of one rank at --cp (longdoc.ask.fit)."""
     from longdoc import models
     from longdoc.corpus.ingest import Skips
     from longdoc.eval.data import read_texts
     from longdoc.eval.prompts import Prompter
     from longdoc.runtime.launch import launched_world
+    from longdoc.train.recipe_parse import RecipeError
 
     for path in cfg["files"]:
         if not Path(path).exists():
@@ -89,8 +95,13 @@ def prepare(cfg: dict[str, Any]) -> dict[str, Any]:
     prompter = Prompter(models.load_tokenizer(cfg["model"]), chat=cfg.get("chat"))
     prefix = prompter.prefix(document)
     asked = max((len(prompter.suffix(q)) for q in questions), default=0) + cfg["max_new_tokens"]
+    memory = fit.check(cfg, len(prefix))
     check_length(cfg, len(prefix) + asked, f"{_names(cfg['files'])}: the document's prompt of {len(prefix)} tokens "
-                                           f"plus question and answer ({asked} more)")
+                                           f"plus question and answer ({asked} more)",
+                 also=None if memory.fits else memory.also())
+    if not memory.fits:
+        raise RecipeError(memory.refusal(f"{_names(cfg['files'])}: the document's prompt of {len(prefix)} tokens",
+                                         shorten=_SHORTEN))
     return {**cfg, "prefix_ids": prefix}
 
 
@@ -98,9 +109,9 @@ def _names(files: list[str]) -> str:
     return ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
 
 
-def check_length(cfg: dict[str, Any], tokens: int, what: str) -> None:
+def check_length(cfg: dict[str, Any], tokens: int, what: str, also: str | None = None) -> None:
     """Refuse `tokens` positions past the model's context (after --rope-type/--rope-factor), from its config alone;
-    the line names the RoPE extension that fits them."""
+    the line names the RoPE extension that fits them, and `also` (the --cp the prefill's memory needs) after it."""
     from longdoc.train.config import ModelConfig
     from longdoc.train.modeling import check_context
     from longdoc.train.preflight import model_context
@@ -109,8 +120,9 @@ def check_length(cfg: dict[str, Any], tokens: int, what: str) -> None:
                        rope_factor=float(cfg.get("rope_factor") or 1.0))
     extend = ("--rope-type yarn --rope-factor {factor}" if mcfg.rope_type is None else
               f"a larger --rope-factor than {cfg.get('rope_factor')}")
-    check_context(tokens, model_context(mcfg), what=what, extend=extend,
-                  shorten="ask about fewer or shorter files")
+    if also:
+        extend += f" and {also.replace('{', '{{').replace('}', '}}')}"
+    check_context(tokens, model_context(mcfg), what=what, extend=extend, shorten=_SHORTEN)
 
 
 def _run(args: argparse.Namespace) -> int:

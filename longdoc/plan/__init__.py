@@ -12,6 +12,7 @@ Modules, each depending only on those listed before it:
     activations        what a Llama-style decoder layer saves per token (A), in parts
     layer_activations  what a layer of another kind saves: recurrent mixers under state passing, MoE, MLA, DSA
     memory             per-rank peak memory of one training step, term by term, phase by phase
+    prefill            per-rank peak memory of a CP prefill without gradients (`longdoc ask`), term by term
     timing             step time: FLOPs, bandwidth, what overlaps what
     planner            every open (cp, dp, strategy, checkpointing), the recommendation, what to change if none fits
     report             the text rendering of a plan

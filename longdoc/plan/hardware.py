@@ -30,6 +30,15 @@ def machine_memory_gib() -> float:
     import psutil
 
     return psutil.virtual_memory().total / GIB
+
+
+def machine_available_gib() -> float:
+    """This machine's RAM available now (free plus reclaimable caches): what ranks started now may take."""
+    import psutil
+
+    return psutil.virtual_memory().available / GIB
+
+
 GPUS_PER_NODE = 8
 
 

@@ -168,7 +168,10 @@ def _count_params(config_json: str) -> ParamCount:
     embed = model.get_input_embeddings().weight
     out = model.get_output_embeddings()
     head = 0 if out is None or out.weight is embed else out.weight.numel()
-    layer_sizes = [sum(p.numel() for p in layer.parameters()) for layer in model.get_decoder().layers]
+    decoder = model.get_decoder()
+    if not hasattr(decoder, "layers"):  # Llama 4's text model answers get_decoder() with itself
+        decoder = model.model
+    layer_sizes = [sum(p.numel() for p in layer.parameters()) for layer in decoder.layers]
     total = sum(p.numel() for p in model.parameters())
     return ParamCount(embed=embed.numel(), head=head, layer=max(layer_sizes), layers=sum(layer_sizes),
                       other=total - embed.numel() - head - sum(layer_sizes))

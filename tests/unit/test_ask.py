@@ -279,3 +279,57 @@ def test_skip_bad_leaves_out_what_cannot_be_read_and_names_it(tmp_path, capsys):
     skipped = [line for line in err.splitlines() if line.startswith("longdoc ask: skipped ")]
     assert len(skipped) == 1 and "scan.png" in skipped[0] and "prefill: " in err, err
     assert len(_answers(out)) == 1, out
+
+
+def _needs(model: str, files: list[str], upto: int = 8) -> list[float]:
+    """GiB one rank needs for the prefill of `files` at cp 1..upto (fp32, ring, CPU): longdoc.plan.prefill's estimate,
+    which tests/unit/test_plan_prefill.py checks term by term."""
+    from longdoc import models
+    from longdoc.eval.data import read_texts
+    from longdoc.eval.prompts import Prompter
+    from longdoc.plan.prefill import prefill_bytes
+    from longdoc.plan.shapes import model_shape
+
+    prefix = Prompter(models.load_tokenizer(model)).prefix("\n\n".join(t.strip() for t in read_texts(files)))
+    return [prefill_bytes(model_shape(model), len(prefix), n) / 2**30 for n in range(1, upto + 1)]
+
+
+def _available(monkeypatch, gib: float) -> None:
+    import longdoc.plan.hardware
+
+    monkeypatch.setattr(longdoc.plan.hardware, "machine_available_gib", lambda: gib)
+
+
+def test_a_prefill_past_the_memory_is_refused_naming_the_cp_that_fits(files, capsys, monkeypatch, no_model):
+    """Under a launcher with one CPU rank per node a rank's memory is its node's: the line names the smallest cp
+    whose share of the prompt fits, before any process group or weights."""
+    need = _needs(MODEL, files)
+    _available(monkeypatch, (need[2] + need[3]) / 2)  # --cp 4 fits, --cp 3 does not
+    for name, value in (("WORLD_SIZE", "2"), ("RANK", "0"), ("GROUP_WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+    err = _refused(capsys, MODEL, *files, "--question", "Who?", "--cp", "2", "--device", "cpu")
+    assert f"needs about {need[1]:.2f} GiB per rank at --cp 2 (" in err, err
+    assert "shared by its 1 ranks" in err and "launch 4 processes with --cp 4" in err, err
+
+
+def test_local_ranks_share_the_host_so_the_line_names_ranks_across_nodes(files, capsys, monkeypatch, no_model):
+    """Spawned local ranks share this host's memory and each holds the weights: no --cp fits where --cp 1 does
+    not, and the line names the cp that fits one rank per node of this host's memory."""
+    need = _needs(MODEL, files)
+    _available(monkeypatch, (need[2] + need[3]) / 2)
+    err = _refused(capsys, MODEL, *files, "--question", "Who?", "--cp", "2")
+    assert "shared by the --cp ranks" in err and "more ranks on this host share its memory" in err, err
+    assert "launch 4 ranks across nodes with this host's memory each (--cp 4, about" in err, err
+
+
+def test_a_document_past_the_context_and_the_memory_names_both_fixes(short_model, tmp_path, capsys, monkeypatch,
+                                                                     no_model):
+    long = tmp_path / "long.txt"
+    long.write_text(" ".join(f"On day {i} the clerk docketed filing {i * 7 % 31}." for i in range(25)))
+    need = _needs(short_model, [str(long)])
+    _available(monkeypatch, (need[1] + need[2]) / 2)
+    err = _refused(capsys, short_model, str(long), "--question", "Which filing on day 3?")
+    assert "exceeds the model's context (256 tokens)" in err, err
+    assert "extend it with --rope-type yarn --rope-factor 2" in err, err
+    assert " and run on a machine with more memory, or launch 3 ranks across nodes" in err, err
+    assert "(--cp 3, about" in err and err.index("--rope-type") < err.index("--cp 3"), err
