@@ -113,23 +113,21 @@ def _collect(procs, readers, deadline: float, pg_timeout: float, input_error_gra
         left = end - time.monotonic()
         if left <= 0:
             break
-        ready = set(wait(list(pending.values()) + [procs[r].sentinel for r in pending], timeout=min(left, 3600)))
-        for r, conn in list(pending.items()):
-            if conn in ready or procs[r].sentinel in ready:
-                ended = procs[r].exitcode is not None
-                try:
-                    if conn.poll():
-                        out[r] = conn.recv()
-                except (EOFError, OSError):  # the rank's pipe closed without a message: it died
-                    ended = True
-                if r in out or ended:
-                    del pending[r]
-                    if r not in out or out[r][0] == "error":  # the others wait on it in vain, or fail soon
-                        end = min(end, time.monotonic() + min(pg_timeout, 60) + 10)
-                    elif out[r][0] == "input_error":  # bad input: the others raise the same soon, or wait in vain
-                        end = min(end, time.monotonic() + input_error_grace)
-        if pending and all(procs[r].exitcode is not None for r in pending):
-            break
+        wait(list(pending.values()) + [procs[r].sentinel for r in pending], timeout=min(left, 3600))
+        for r, conn in list(pending.items()):  # every pending rank, not only those `wait` named: one may end now
+            # exit code first: a rank sends before it exits, so once it has exited its message (or EOF) is readable
+            ended = procs[r].exitcode is not None
+            try:
+                if conn.poll():
+                    out[r] = conn.recv()
+            except (EOFError, OSError):  # the rank's pipe closed without a message: it died
+                ended = True
+            if r in out or ended:
+                del pending[r]
+                if r not in out or out[r][0] == "error":  # the others wait on it in vain, or fail soon
+                    end = min(end, time.monotonic() + min(pg_timeout, 60) + 10)
+                elif out[r][0] == "input_error":  # bad input: the others raise the same soon, or wait in vain
+                    end = min(end, time.monotonic() + input_error_grace)
     return out
 
 

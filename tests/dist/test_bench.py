@@ -91,6 +91,7 @@ def test_dsa_bench_runs_at_small_sizes():
     assert "DSA speedup" in dsa.to_markdown(result)
 
 
+@pytest.mark.slow  # a real training run per cell; the fast tier checks the planner against real runs (calibration)
 def test_bench_longest_quick_journals_a_real_run_and_resumes_it(tmp_path):
     """One cell of `longdoc bench longest` (SmolLM2-135M's layer, FSDP + tiled MLP, cp=2, 1,024 tokens): the real
     trainer's peak beside the planner's, the journal, the plot; --resume then measures nothing."""

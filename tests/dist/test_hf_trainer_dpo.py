@@ -9,6 +9,7 @@ they are held to the log-probs' scale: |diff| <= 1e-5 * (1 + beta * |logps|).
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.support.distributed import run_ranks
@@ -78,6 +79,7 @@ def test_cp2_dpo_equals_single_process(tmp_path):
     check_cases(tmp_path, CASES)
 
 
+@pytest.mark.slow  # the fast tier: test_cp2_dpo_equals_single_process (issue 39's acceptance: cp=2 in make test)
 def test_dp2_cp2_dpo_equals_single_process(tmp_path):
     # 2 replicas x cp=2: DDP averages over all 4 ranks, TRL gathers its metrics over all 4 (each replica's twice)
     check_cases(tmp_path, {"lora-sigmoid-dp2": {"batch": 2, "accum": 1}}, dp=2)

@@ -198,6 +198,7 @@ def _skip_call(rank: int, world_size: int) -> dict[str, float]:
     return elapsed
 
 
+@pytest.mark.slow  # 25 s of waiting; the fast tier has test_parallel_attention's missing-rank test (the same guard)
 def test_missing_rank_becomes_error_within_60s():
     """Rank 1 never calls: the others raise a context-parallel error (naming the ranks) within the timeout, both for
     ulysses (all-to-all over the group) and usp 2 x 2 (its Ulysses pair fails; the other pair's ring then does)."""

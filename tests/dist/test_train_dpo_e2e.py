@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from longdoc.cli import main
 from longdoc.corpus.synth import synthesize, write_jsonl
 from longdoc.corpus.tokens import get_tokenizer
@@ -54,6 +56,7 @@ def test_longdoc_train_dpo_cp2(tmp_path):
     assert all(name in row for row in logged if "loss" in row for name in METRICS)
 
 
+@pytest.mark.slow  # fast: test_train_dpo (cp=2, cp=3 = one process) and test_longdoc_train_dpo_cp2
 def test_dpo_trainer_cp2_and_dp2_equal_one_process(tmp_path):
     pairs = _pairs(tmp_path)
     train = {"batch_size": 4, "micro_batch_size": 2}

@@ -26,6 +26,7 @@ CASES = {2: [(1, "ring", ["fsdp"]), (2, "ring", ["fsdp"]), (2, "ulysses", ["fsdp
          4: [(4, "ring", ["fsdp"]), (4, "ulysses", ["fsdp", "fsdp+offload+tiled"])]}
 
 
+@pytest.mark.slow  # follows from FSDP = DDP (test_fsdp_on_cpu_equals_ddp, fast) and DDP = one process (test_train)
 def test_fsdp_on_cpu_equals_single_process(tmp_path):
     ref, ref_grads = ranks(1, train_on_ranks, tiny_recipe(tmp_path / "single"), [], deadline=300)[0]
     fsdp = {"parallelism": {"fsdp": True}}

@@ -71,6 +71,7 @@ def test_mix_context_positions_cp2_equals_single_process(tmp_path):
     assert abs(every[0][1] - ref[0][1]) > 1e-3, (every, ref)
 
 
+@pytest.mark.slow  # a whole run twice; the fast tier resumes exactly in test_train_resume (cp=1, 2 and a cp change)
 def test_mix_resumes_exactly(tmp_path):
     """Stopped after step 2's checkpoint, resumed: step 3 and the exported model are those of an uninterrupted
     run (the mix order, the token weights and the trained embedding / norm copies all come back)."""

@@ -42,6 +42,7 @@ def train_history(rank: int, world_size: int, recipe: dict, overrides: list[str]
     return [(s.step, s.loss) for s in train(recipe_from_dict(recipe, overrides)).history]
 
 
+@pytest.mark.slow  # fast: test_lora_resume_after_kill_continues_exactly_on_any_cp_size (a cp change too)
 def test_resume_after_kill_continues_exactly(tmp_path):
     overrides = ["parallelism.cp_size=2", "train.steps=8", "checkpoint.every=2", "checkpoint.keep=2",
                  "checkpoint.export=false"]

@@ -139,7 +139,10 @@ def test_runnable_block(where, ranks, code, tmp_path):
     _run([str(script)], ranks, tmp_path)
 
 
-@pytest.mark.parametrize("example,extra", [("trainer_cp.py", []), ("sft_cp.py", ["--packing"]), ("dpo_cp.py", [])])
+# sft_cp.py runs in the fast tier; the others' trainers are tested at cp=2 in tests/dist (test_hf_trainer, _dpo)
+@pytest.mark.parametrize("example,extra", [pytest.param("trainer_cp.py", [], marks=pytest.mark.slow),
+                                           ("sft_cp.py", ["--packing"]),
+                                           pytest.param("dpo_cp.py", [], marks=pytest.mark.slow)])
 def test_example_runs_on_a_tiny_model(example, extra, tmp_path):
     # 2 gloo ranks, one training step and the evaluation: ~22 s (trainer) and ~50 s (TRL, packed) on 2 cores.
     _run([str(ROOT / "examples" / example), "--model", "tiny:llama", "--tokens", "1024", "--steps", "1",
