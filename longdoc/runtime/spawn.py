@@ -60,8 +60,11 @@ def _no_progress_bars() -> None:
         sys.modules["huggingface_hub"].utils.disable_progress_bars()
 
 
-# What the fork server imports once, for every rank it starts (the import takes seconds; the fork does not).
-PRELOAD = ["torch", "transformers", "longdoc.runtime.launch", "longdoc.parallel", "longdoc.hf"]
+# What the fork server imports once, for every rank it starts (the import takes seconds; the fork does not). The
+# model loader resolves transformers' Auto classes, whose lazy import structure alone takes about 2 s per process;
+# the trainer reads its rows through datasets (another 1-2 s).
+PRELOAD = ["torch", "transformers", "longdoc.runtime.launch", "longdoc.parallel", "longdoc.hf",
+           "longdoc.models.loading", "accelerate", "peft", "datasets"]
 
 
 def _context():
