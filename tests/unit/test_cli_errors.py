@@ -1,29 +1,25 @@
 """Every bad input is ONE line on stderr and exit status 2, the same line whether the mistake surfaces in the
-parent process or inside spawned CP ranks (`--cp 2`, `cp_size=2`): `longdoc` run as a subprocess, as a user
-runs it. Bugs are another matter (exit 3 with a traceback); verify's FAIL keeps exit 1.
+parent process or inside spawned CP ranks (`--cp 2`, `cp_size=2`). Bugs are another matter (exit 3 with a
+traceback); verify's FAIL keeps exit 1.
 
-Progress bars are switched off (HF_HUB_DISABLE_PROGRESS_BARS): loading a saved folder draws one on stderr, which
-is progress, not a message. The default suite runs one case of each kind (parent side, spawned eval / verify /
-train ranks); the rest of the matrix is slow (every case starts up to three Python processes)."""
+The cases call `longdoc` in the test's process (tests.support.cli.here: the console script's own entry, both file
+descriptors captured; a `--cp 2` spelling really starts its ranks), as importing torch and transformers for each
+would cost seconds. What only a fresh process shows, that nothing else reaches the terminal (a library's warning;
+a traceback or progress bar from a spawned rank), the FRESH cases check with `python -m longdoc`, as a user runs
+it. Progress bars are switched off (HF_HUB_DISABLE_PROGRESS_BARS): loading a saved folder draws one on stderr,
+which is progress, not a message. The default suite runs one case of each kind (parent side, spawned verify and
+train ranks); the rest of the matrix is slow."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.cli import fresh, here
+
 REFUSED = "longdoc.patch: BloomForCausalLM"  # a model CP refuses by name (Mamba2 is exact since 2026-12)
-
-
-def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-    return subprocess.run([sys.executable, "-m", "longdoc", *args], capture_output=True, text=True, timeout=600,
-                          cwd=cwd, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -86,26 +82,43 @@ CASES = [
 ]
 
 
-def _id(case) -> str:
-    argv = case.values[0] if hasattr(case, "values") else case[0]
+def _name(argv: list[str]) -> str:
     return " ".join(a for a in argv[:4] if not a.endswith((".jsonl", ".yaml")))
 
 
+def _id(case) -> str:
+    return _name(case.values[0] if hasattr(case, "values") else case[0])
+
+
+# Cases whose refusal surfaces inside the spawned ranks: their --cp 2 spelling runs as a fresh `python -m longdoc`,
+# the only way to see that nothing from a rank reaches the terminal; one per kind of rank (train in the default
+# suite, verify and eval in the slow one). Every other spelling runs in this process.
+FRESH = {"train output_dir=out-m model.name=./alibi", "verify --model tiny:lama --seq-len", "eval qa --model alibi"}
+
+
 @pytest.mark.parametrize("argv, one, two, says", CASES, ids=[_id(c) for c in CASES])
-def test_bad_input_is_one_line_and_exit_2_with_and_without_cp(inputs, argv, one, two, says):
-    single = _one_line(_cli(*argv, *one, cwd=inputs), argv + one)
-    spawned = _one_line(_cli(*argv, *two, cwd=inputs), argv + two)
+def test_bad_input_is_one_line_and_exit_2_with_and_without_cp(inputs, monkeypatch, capfd, argv, one, two, says):
+    def longdoc(*args: str) -> subprocess.CompletedProcess:
+        return here(*args, cwd=inputs, monkeypatch=monkeypatch, capfd=capfd)
+
+    single = _one_line(longdoc(*argv, *one), argv + one)
+    spawned = _one_line((fresh(*argv, *two, cwd=inputs) if _name(argv) in FRESH else longdoc(*argv, *two)), argv + two)
     assert single.startswith(says), single
     if REFUSED in says:
         assert "uses ALiBi position biases" in single, single
     assert spawned == single
 
 
-def test_exit_codes_are_in_the_help(inputs):
-    for argv in (["--help"], ["verify", "--help"], ["train", "--help"]):
-        out = " ".join(_cli(*argv, cwd=inputs).stdout.split())
+def test_exit_codes_are_in_the_help(inputs, monkeypatch, capfd):
+    def help_of(*argv: str) -> str:
+        proc = here(*argv, "--help", cwd=inputs, monkeypatch=monkeypatch, capfd=capfd)
+        assert proc.returncode == 0 and not proc.stderr, (argv, proc.returncode, proc.stderr)
+        return " ".join(proc.stdout.split())
+
+    for argv in ([], ["verify"], ["train"]):
+        out = help_of(*argv)
         assert "2 bad input, one line on stderr" in out and "3 an internal error" in out, argv
-    verify_help = " ".join(_cli("verify", "--help", cwd=inputs).stdout.split())
+    verify_help = help_of("verify")
     assert "1 the run's own negative verdict (verify: FAIL" in verify_help
     from longdoc.models import zoo
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 
 import pytest
 
 from longdoc import cliargs
 from longdoc.cli import build_parser, main
+from tests.support.cli import fresh, here
 
 
 @pytest.mark.parametrize("text, want", [("4096", 4096), ("4k", 4096), ("1.5k", 1536), ("128K", 131072),
@@ -47,12 +46,9 @@ def test_mistyped_choice_says_did_you_mean(capsys):
         assert hint in capsys.readouterr().err
 
 
-def _cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "longdoc", *args], capture_output=True, text=True, timeout=300,
-                          cwd=cwd)
-
-
-def test_bad_input_exits_2_with_the_message_and_no_traceback(tmp_path):
+def test_bad_input_exits_2_with_the_message_and_no_traceback(tmp_path, monkeypatch, capfd):
+    """In this process (tests.support.cli.here), and the case that goes deepest as a fresh `python -m longdoc`: only
+    there would a traceback that a library prints (rather than raises) or a warning reach the terminal."""
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{not json\n")
     flat = tmp_path / "qa.jsonl"
@@ -62,8 +58,10 @@ def test_bad_input_exits_2_with_the_message_and_no_traceback(tmp_path):
              (["eval", "position-loss", "--model", "tiny:llama", "--data", str(bad)], "bad.jsonl:1: not valid JSON"),
              (["eval", "qa", "--model", "tiny:llama", "--data", str(flat)], "answer 'absent' not found"),
              (["eval", "qa", "--model", "tiny:llama", "--data", str(flat), "--rope-factor", "2"], "needs --rope-type")]
+    deepest = cases[2]  # the refusal found furthest along: the file reads, its record is checked against its text
     for argv, msg in cases:
-        proc = _cli(*argv, cwd=tmp_path)
+        proc = (fresh(*argv, cwd=tmp_path) if (argv, msg) == deepest else
+                here(*argv, cwd=tmp_path, monkeypatch=monkeypatch, capfd=capfd))
         assert proc.returncode == 2, (argv, proc.stderr[-2000:])
         assert msg in proc.stderr and "Traceback" not in proc.stderr, (argv, proc.stderr[-2000:])
 

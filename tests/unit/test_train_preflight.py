@@ -1,17 +1,20 @@
 """`longdoc train` checks in the parent process, before any rank starts or any weights load, what it can: the
 output folder against `resume`, the model name and context, the data paths. Bad input there is one line and exit 2
-with no rank started (it used to surface 19-44 s later, inside the ranks, at cp=2). And `resume` says what it did."""
+with no rank started (it used to surface 19-44 s later, inside the ranks, at cp=2). And `resume` says what it did.
+
+The refusals run in the test's process (tests.support.cli.here) with longdoc.runtime.spawn.run_local failing the
+test if called. That nothing but the line reaches the terminal of a fresh `python -m longdoc train ...
+parallelism.cp_size=2` (it passes this preflight, then its ranks refuse the model) is test_cli_errors' FRESH case."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.cli import fresh, here
+
 SPAWNED = "starting 2 local CPU processes"
 RECIPE = ("model: {name: 'tiny:llama', overrides: {vocab_size: 256}}\n"
           "data: {path: random, seq_len: 64, random_size: 4}\n"
@@ -21,10 +24,7 @@ RECIPE = ("model: {name: 'tiny:llama', overrides: {vocab_size: 256}}\n"
 
 
 def _train(tmp: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-           "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "longdoc", "train", "recipe.yaml", *args], capture_output=True,
-                          text=True, timeout=600, cwd=tmp, env=env)
+    return fresh("train", "recipe.yaml", *args, cwd=tmp, OMP_NUM_THREADS="1")
 
 
 @pytest.fixture
@@ -41,8 +41,12 @@ def tmp(tmp_path):
     (["output_dir=o", "data.seq_len=1M"], "data.seq_len=1048576 exceeds the model's context (131072 tokens)"),
     (["output_dir=o", "model.name=tiny:lama"], "unknown tiny architecture 'lama'"),
 ], ids=["resume", "data-missing", "data-type", "context", "model"])
-def test_bad_input_is_refused_in_the_parent_before_any_rank_starts(tmp, args, says):
-    proc = _train(tmp, *args, "parallelism.cp_size=2")
+def test_bad_input_is_refused_in_the_parent_before_any_rank_starts(tmp, monkeypatch, capfd, args, says):
+    import longdoc.runtime.spawn
+
+    monkeypatch.setattr(longdoc.runtime.spawn, "run_local", lambda *a, **k: pytest.fail("the ranks started"))
+    proc = here("train", "recipe.yaml", *args, "parallelism.cp_size=2", cwd=tmp, monkeypatch=monkeypatch,
+                capfd=capfd, OMP_NUM_THREADS="1")
     lines = proc.stderr.splitlines()
     assert proc.returncode == 2 and len(lines) == 1, (proc.returncode, proc.stderr[-2000:])
     assert lines[0].startswith(f"longdoc train: error: {says}"), lines[0]
