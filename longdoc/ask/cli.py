@@ -98,8 +98,8 @@ def prepare(cfg: dict[str, Any]) -> dict[str, Any]:
     memory = fit.check(cfg, len(prefix))
     check_length(cfg, len(prefix) + asked, f"{_names(cfg['files'])}: the document's prompt of {len(prefix)} tokens "
                                            f"plus question and answer ({asked} more)",
-                 also=None if memory.fits else memory.also())
-    if not memory.fits:
+                 also=None if memory is None or memory.fits else memory.also())
+    if memory is not None and not memory.fits:
         raise RecipeError(memory.refusal(f"{_names(cfg['files'])}: the document's prompt of {len(prefix)} tokens",
                                          shorten=_SHORTEN))
     return {**cfg, "prefix_ids": prefix}

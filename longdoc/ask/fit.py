@@ -96,15 +96,19 @@ def _memory(cfg: dict[str, Any]) -> tuple[Callable[[int], float], str, int, str,
         os.cpu_count() or 1, "this host's cores", False, False
 
 
-def check(cfg: dict[str, Any], tokens: int) -> Fit:
+def check(cfg: dict[str, Any], tokens: int) -> Fit | None:
     """The memory of a prefill of `tokens` at cfg["cp"], and the smallest cp that fits, with the model, dtype,
-    device, strategy and layout `cfg` names (the parsed `longdoc ask` arguments)."""
+    device, strategy and layout `cfg` names (the parsed `longdoc ask` arguments). None where the planner cannot read
+    the model's shape: the ranks then load it and refuse by name what they cannot run (ALiBi, say)."""
     from longdoc.eval.runner import check_dtype
     from longdoc.plan import strategies
     from longdoc.plan.prefill import prefill_bytes, prefill_terms
     from longdoc.plan.shapes import model_shape
 
-    shape = model_shape(cfg["model"])
+    try:
+        shape = model_shape(cfg["model"])
+    except (AttributeError, KeyError, TypeError, ValueError):  # a config the planner cannot price (Bloom's)
+        return None
     share, where, bound, bound_why, launched, gpu = _memory(cfg)
     strategy, ulysses, cp = cfg.get("strategy", "ring"), cfg.get("ulysses_size"), int(cfg.get("cp", 1))
     kwargs = dict(dtype=check_dtype(cfg.get("dtype", "float32")), strategy=strategy, ulysses=ulysses,

@@ -70,25 +70,29 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, records: Sequence[dict[str,
                     + max(max_new_tokens, len(prompter.answer(str(qa["answer"])))) for qa in rec["qa"])
         runner.check_context(model, len(ids) + asked, f"document {rec['id']!r} ({rec.get('source', '?')}): its prompt "
                              f"of {len(ids)} tokens plus question and answer ({asked} more)")
-    bar = _progress(sum(len(r["qa"]) for r in records), cp, "qa") if progress else None
+    bar = None  # drawn once the first session stands: a model refused by name leaves no half-drawn bar behind
     rows: list[dict[str, Any]] = []
-    for rec, ids in zip(records, prefixes):
-        prefix = torch.tensor([ids], device=device)
-        with KVSession(model, cp, strategy=strategy) as session:
-            session.prefill(prefix)
-            together = batch > 1 and session.branch_problem() is None
-            step = batch if together else max(len(rec["qa"]), 1)
-            for start in range(0, len(rec["qa"]), step):
-                qas = rec["qa"][start:start + step]
-                answered = (_answer_together if together else _answer_in_turn)(session, prompter, qas,
-                                                                                max_new_tokens, stops)
-                for qa, (tokens, score, asked) in zip(qas, answered):
-                    rows.append(_row(rec, qa, prompter.decode_answer(tokens), score, prefix.shape[1] + asked))
-                    if bar is not None:
-                        bar.update(1)
-                        bar.set_postfix(f1=f"{metrics.mean(r['f1'] for r in rows):.3f}")
-    if bar is not None:
-        bar.close()
+    try:
+        for rec, ids in zip(records, prefixes):
+            prefix = torch.tensor([ids], device=device)
+            with KVSession(model, cp, strategy=strategy) as session:
+                if progress and bar is None:
+                    bar = _progress(sum(len(r["qa"]) for r in records), cp, "qa")
+                session.prefill(prefix)
+                together = batch > 1 and session.branch_problem() is None
+                step = batch if together else max(len(rec["qa"]), 1)
+                for start in range(0, len(rec["qa"]), step):
+                    qas = rec["qa"][start:start + step]
+                    answered = (_answer_together if together else _answer_in_turn)(session, prompter, qas,
+                                                                                    max_new_tokens, stops)
+                    for qa, (tokens, score, asked) in zip(qas, answered):
+                        rows.append(_row(rec, qa, prompter.decode_answer(tokens), score, prefix.shape[1] + asked))
+                        if bar is not None:
+                            bar.update(1)
+                            bar.set_postfix(f1=f"{metrics.mean(r['f1'] for r in rows):.3f}")
+    finally:
+        if bar is not None:
+            bar.close()
     return rows
 
 
