@@ -102,7 +102,6 @@ def _sft_metric_errors(name: str, rank: int, got: dict, ref: dict, case: dict, d
     return errors
 
 
-@pytest.mark.slow  # the fast tier runs cp=2 inside dp2 x cp2 (test_dp2_cp2_trainer_and_sft_equal_single_process)
 def test_cp2_trainer_and_sft_equal_single_process(tmp_path):
     results = run_ranks(2, _cases_on_ranks, CP2_CASES, str(tmp_path / "cp2"), deadline=400, pg_timeout=300)
     _check(results, CP2_CASES, 1, tmp_path)
