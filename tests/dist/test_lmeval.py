@@ -270,13 +270,16 @@ def test_without_a_launcher_cp2_starts_its_own_ranks(setup, reference, tmp_path)
     assert proc.stdout.count("|ld_mc|") == 1, proc.stdout[-2000:]  # one table: rank 0 prints, rank 1 does not
 
 
-def test_without_a_launcher_bad_input_is_one_line_and_exit_2(setup, tmp_path):
-    for margs, says in ((f"pretrained={tmp_path / 'no-such-model'},cp=2", "no such model folder or file"),
-                        (f"pretrained={setup['folder']},cp=2,max_length=1000000",
-                         "max_length=1000000 exceeds the model's context"),
-                        (f"pretrained={setup['folder']},cp=2,parallelize=true", "not longdoc's")):
-        proc = _lmeval("--model", "longdoc", "--model_args", margs, "--device", "cpu", "--tasks", "ld_mc",
-                       "--include_path", setup["tasks"], cwd=tmp_path)
-        last = proc.stderr.splitlines()[-1] if proc.stderr else ""
-        assert proc.returncode == 2 and "Traceback" not in proc.stderr, (margs, proc.returncode, proc.stderr[-3000:])
-        assert last.startswith("python -m longdoc.lmeval: error: ") and says in last, last
+# one real process per case (about 11 s each): the first in the fast tier, the other two in the slow one
+@pytest.mark.parametrize("case", ["missing", pytest.param("context", marks=pytest.mark.slow),
+                                  pytest.param("parallelize", marks=pytest.mark.slow)])
+def test_without_a_launcher_bad_input_is_one_line_and_exit_2(setup, tmp_path, case):
+    margs, says = {"missing": (f"pretrained={tmp_path / 'no-such-model'},cp=2", "no such model folder or file"),
+                   "context": (f"pretrained={setup['folder']},cp=2,max_length=1000000",
+                               "max_length=1000000 exceeds the model's context"),
+                   "parallelize": (f"pretrained={setup['folder']},cp=2,parallelize=true", "not longdoc's")}[case]
+    proc = _lmeval("--model", "longdoc", "--model_args", margs, "--device", "cpu", "--tasks", "ld_mc",
+                   "--include_path", setup["tasks"], cwd=tmp_path)
+    last = proc.stderr.splitlines()[-1] if proc.stderr else ""
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, (margs, proc.returncode, proc.stderr[-3000:])
+    assert last.startswith("python -m longdoc.lmeval: error: ") and says in last, last

@@ -85,7 +85,8 @@ def test_rank_disagreement_raises_same_error_everywhere():
         assert needle in msgs[0], msgs[0]
 
 
-@pytest.mark.parametrize("check_agreement", [True, False])
+# with the agreement check on, the slow tier (the same timeout path; test_parallel_guard checks the check itself)
+@pytest.mark.parametrize("check_agreement", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_missing_rank_becomes_error_within_60s(check_agreement):
     elapsed = run_ranks(2, _skip_call, check_agreement, deadline=120, pg_timeout=60)
     assert elapsed[1] == -1.0
