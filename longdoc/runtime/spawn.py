@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 
 
 def _portable(e: BaseException) -> BaseException:
-    """`e` if it rebuilds from its reduce tuple (what the result queue's pickling does) as the same type and
+    """`e` if it rebuilds from its reduce tuple (what sending it through the rank's pipe does) as the same type and
     message, else a RankInputError with its message."""
     from longdoc.errors import RankInputError
 
@@ -90,8 +90,8 @@ def _entry(rank, world_size, init_file, pg_timeout, threads, fn, args, report, i
     torch.set_num_threads(threads)
     if rank != 0:
         _no_progress_bars()
-    # `report` is this rank's own pipe, and send() returns once the result is in it: a rank that exits right
-    # after reporting (a bad recipe refused at once) never loses its message, as a Queue's feeder thread can.
+    # `report` is this rank's own pipe, and send() returns once the result is in it: once the rank has exited, the
+    # parent finds its message there (longdoc.runtime.spawn._collect reads the exit code first, then the pipe).
     try:
         with process_group("gloo", timeout=pg_timeout, init_method=f"file://{init_file}", rank=rank,
                            world_size=world_size):
